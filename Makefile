@@ -1,0 +1,42 @@
+# Two commands for a fresh machine:
+#   make demo   runs the main example
+#   make test   runs the test suite
+# Each creates its own virtual environment (.venv, Python 3.11 / newest JAX there) and installs
+# what it needs. `make test312` runs the suite under Python 3.12 and JAX 0.12 (.venv312).
+
+PYTHON ?= python3
+# pyenv installs put python3.12 outside PATH on some machines; fall back to those.
+PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
+
+.PHONY: demo test test312 bench lint clean
+
+.venv/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv
+	.venv/bin/pip install -q --upgrade pip
+	.venv/bin/pip install -q -e '.[dev]'
+	touch $@
+
+.venv312/.installed: pyproject.toml
+	$(PYTHON312) -m venv .venv312
+	.venv312/bin/pip install -q --upgrade pip
+	.venv312/bin/pip install -q -e '.[dev]'
+	touch $@
+
+demo: .venv/.installed
+	.venv/bin/python examples/quickstart.py
+
+test: .venv/.installed
+	.venv/bin/python -m pytest -q
+
+test312: .venv312/.installed
+	.venv312/bin/python -m pytest -q
+
+bench: .venv/.installed
+	.venv/bin/python benchmarks/bench_core.py
+
+lint: .venv/.installed
+	.venv/bin/ruff check eqx_logs tests examples benchmarks
+	.venv/bin/ruff format --check eqx_logs tests examples benchmarks
+
+clean:
+	rm -rf .venv .venv312

@@ -1,0 +1,202 @@
+"""Every use of private JAX API, in one place.
+
+JAX changes its internals between minor releases (jax 0.10 has `ClosedJaxpr` and a scan with
+`num_consts`/`num_carry`; jax 0.12 folds constants into `Jaxpr` and describes a scan's operands
+with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary defined here:
+
+- `Effect`/`register_effect`: an effect type of our own, allowed everywhere a log may appear;
+- `Primitive` and the rule registries (`def_jvp`, `def_batching`, `def_lowering`);
+- `logging_enabled`: a JAX config state in the jit key and the trace context;
+- `unpack`/`closed_jaxpr_of`/`strip_eqn`: reading and rebuilding jaxprs without mutating them;
+- `bind_eqn`: evaluating one equation as `jax.core.eval_jaxpr` would;
+- one accessor per higher-order primitive (`scan_parts`, `while_parts`, ...).
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from jax._src import config as _jax_config
+from jax._src import core as _core
+from jax._src import effects as _effects
+from jax._src import source_info_util as _source_info_util
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+
+Jaxpr = _core.Jaxpr
+JaxprEqn = _core.JaxprEqn
+Literal = _core.Literal
+DropVar = _core.DropVar
+Primitive = _core.Primitive
+Effect = _effects.Effect
+# jax <= 0.11 wraps constants in a `ClosedJaxpr`; jax 0.12 attaches them to `Jaxpr` itself.
+_ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
+_closed_types = (Jaxpr,) if _ClosedJaxpr is None else (Jaxpr, _ClosedJaxpr)
+
+# ----------------------------------------------------------------------------------------
+# The effect, and the switch that turns `log` on while a spool or tap traces.
+# ----------------------------------------------------------------------------------------
+
+
+def register_effect(effect_type: type[Effect]) -> None:
+    """Allow `effect_type` in lowering, control flow, custom derivatives and remat, and keep
+    it through partial evaluation, so that an equation carrying it is never removed."""
+    _effects.lowerable_effects.add_type(effect_type)
+    _effects.control_flow_allowed_effects.add_type(effect_type)
+    _effects.custom_derivatives_allowed_effects.add_type(effect_type)
+    _effects.remat_allowed_effects.add_type(effect_type)
+    _effects.partial_eval_kept_effects.add_type(effect_type)
+
+
+# Part of the jit cache key and of the trace context: `jit(f)` traced with logging off is
+# re-traced (and its logs kept) when called again inside a spool, and vice versa. When off,
+# `log` binds nothing, so the compiled program and the C++ dispatch path are untouched.
+logging_enabled = _jax_config.bool_state(
+    "eqx_logs_enabled",
+    False,
+    "Internal to eqx_logs: whether `eqx_logs.log` records events (set by spool and tap).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
+def def_jvp(prim: Primitive, rule: Callable) -> None:
+    _ad.primitive_jvps[prim] = rule
+
+
+def def_batching(prim: Primitive, rule: Callable) -> None:
+    """`rule(args, dims, **params) -> (outs, out_dims)`."""
+    _batching.primitive_batchers[prim] = rule
+
+
+def def_lowering(prim: Primitive, rule: Callable) -> None:
+    """`rule(*args, **params) -> outs` in terms of JAX operations."""
+    _mlir.register_lowering(prim, _mlir.lower_fun(rule, multiple_results=True))
+
+
+not_mapped = None  # jax marks an unbatched operand with None (batching.NotMapped)
+
+
+# ----------------------------------------------------------------------------------------
+# Reading and evaluating jaxprs.
+# ----------------------------------------------------------------------------------------
+
+
+def unpack(closed: Any) -> tuple[Jaxpr, list[Any]]:
+    """`(jaxpr, consts)` of what `jax.make_jaxpr` returns or a sub-jaxpr found in params."""
+    if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
+        return closed.jaxpr, list(closed.consts)
+    return closed, list(getattr(closed, "consts", ()))  # jax 0.12, or an open jaxpr
+
+
+def is_jaxpr(x: Any) -> bool:
+    return isinstance(x, _closed_types)
+
+
+def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
+    """Every jaxpr found in an equation's parameters (also inside tuples, as cond's)."""
+    for value in params.values():
+        if is_jaxpr(value):
+            yield value
+        elif isinstance(value, tuple | list):
+            for item in value:
+                if is_jaxpr(item):
+                    yield item
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Evaluate one equation in the current trace, exactly as `jax.core.eval_jaxpr` does."""
+    bind_params = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(bind_params, tuple):  # jax <= 0.11: (subfuns, params)
+        subfuns, bind_params = bind_params
+    else:
+        subfuns = []
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (
+        _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+        out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def eqn_location(eqn: JaxprEqn) -> str:
+    """A short 'file:line (function)' of the user frame that created `eqn`."""
+    frame = _source_info_util.user_frame(eqn.source_info.traceback)
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+
+
+def _strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> Any:
+    jaxpr, _ = unpack(closed)
+    eqns = [strip_eqn(e, is_log, effect) for e in jaxpr.eqns if not is_log(e)]
+    new = jaxpr.replace(eqns=eqns, effects=jaxpr.effects - {effect})
+    if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
+        return closed.replace(jaxpr=new)
+    return new
+
+
+def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> JaxprEqn:
+    """A new equation with every log equation removed from its sub-jaxprs. Nothing is
+    mutated: JAX may have cached the original."""
+    if effect not in eqn.effects:
+        return eqn
+    params = {}
+    for name, value in eqn.params.items():
+        if is_jaxpr(value):
+            value = _strip_jaxpr(value, is_log, effect)
+        elif isinstance(value, tuple) and any(is_jaxpr(v) for v in value):
+            value = tuple(_strip_jaxpr(v, is_log, effect) if is_jaxpr(v) else v for v in value)
+        params[name] = value
+    return eqn.replace(params=params, effects=eqn.effects - {effect})
+
+
+# ----------------------------------------------------------------------------------------
+# The higher-order primitives, by name (names are stable across versions; objects move).
+# ----------------------------------------------------------------------------------------
+
+INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call"})
+SCAN = "scan"
+WHILE = "while"
+COND = "cond"
+REMAT = frozenset({"remat2", "checkpoint", "remat"})
+CUSTOM_JVP = "custom_jvp_call"
+CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def call_jaxpr(eqn: JaxprEqn) -> Any:
+    """The jaxpr of a call-like equation (jit, closed_call, remat, custom_jvp/vjp)."""
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if name in eqn.params:
+            return eqn.params[name]
+    raise NotImplementedError(f"eqx_logs: cannot find the jaxpr of {eqn.primitive.name}")
+
+
+def scan_parts(eqn: JaxprEqn) -> tuple[Any, int, int]:
+    """`(body, num_consts, num_carry)` of a scan equation."""
+    params = eqn.params
+    if "num_consts" in params:
+        return params["jaxpr"], params["num_consts"], params["num_carry"]
+    # jax 0.12: a flat tree (consts, carry, xs) describes the operands.
+    consts, carry, _ = params["ft_in"].update(list(range(len(eqn.invars)))).unpack()
+    return params["jaxpr"], len(list(consts)), len(list(carry))
+
+
+def scan_options(eqn: JaxprEqn) -> dict[str, Any]:
+    params = eqn.params
+    return dict(length=params["length"], reverse=params["reverse"], unroll=params["unroll"])
+
+
+def while_parts(eqn: JaxprEqn) -> tuple[Any, int, Any, int]:
+    """`(cond_jaxpr, cond_nconsts, body_jaxpr, body_nconsts)` of a while equation."""
+    p = eqn.params
+    return p["cond_jaxpr"], p["cond_nconsts"], p["body_jaxpr"], p["body_nconsts"]
+
+
+def cond_branches(eqn: JaxprEqn) -> tuple[Any, ...]:
+    return tuple(eqn.params["branches"])
+
+
+def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
+    return dict(prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])

@@ -1,0 +1,317 @@
+"""The jaxpr interpreter behind `spool`.
+
+Two passes over a traced program:
+
+1. `Interpreter.count` walks the jaxpr once and finds, for every key, the static upper bound on
+   its number of events (a scan multiplies, a cond takes the maximum over branches, a while
+   loop is unbounded) and the shape of its events (checking that sites of one key agree).
+2. `Interpreter.eval` evaluates the jaxpr in the current trace, threading one reduction state
+   per key: a log equation updates its keys' states; a higher-order primitive that contains
+   logs is rebuilt through its public constructor by its rule in `_rules.py`, with the states
+   added to its operands, carries and results. Nothing JAX created is mutated.
+"""
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+
+from . import _compat
+from ._logdict import LogDict
+from ._primitive import is_log, log_effect
+from ._reductions import AbstractReduction, _UnboundedStack
+
+Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
+
+
+class UnhandledPrimitiveError(NotImplementedError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """Which log events a spool consumes, and what it does with them."""
+
+    tags: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()
+    interval: int = 1
+    prefix: str = ""
+    keep: bool = False
+
+    def selects(self, params: dict[str, Any]) -> bool:
+        tags = params["tags"]
+        if self.tags is not None and not set(tags) & set(self.tags):
+            return False
+        return not set(tags) & set(self.exclude)
+
+
+@dataclasses.dataclass
+class _KeyInfo:
+    """What the first pass learns about one key."""
+
+    treedef: Any
+    leaves: list[jax.ShapeDtypeStruct]
+    weak: list[bool]
+    steps: dict[str, jax.ShapeDtypeStruct]
+    sites: list[str]
+
+    def struct(self) -> dict[str, Any]:
+        return {"value": jtu.tree_unflatten(self.treedef, self.leaves), "steps": self.steps}
+
+
+def _site_list(sites: Sequence[str]) -> str:
+    return "; ".join(dict.fromkeys(sites))
+
+
+def _merge_leaf(key, info, i, shape, dtype, weak, site):
+    old = info.leaves[i]
+    where = f"at {site} and at {_site_list(info.sites)}"
+    if old.shape != shape:
+        raise ValueError(
+            f"eqx_logs: key {key!r} is logged with shape {old.shape} and with shape {shape} "
+            f"({where}). Every event of one key must have the same shape and dtype; log the "
+            "differently shaped values under different keys."
+        )
+    if old.dtype == dtype:
+        info.weak[i] = info.weak[i] and weak
+        return
+    if weak and not info.weak[i] and jnp.result_type(old.dtype, dtype) == old.dtype:
+        return  # a weakly typed Python scalar adapts
+    if info.weak[i] and not weak and jnp.result_type(old.dtype, dtype) == dtype:
+        info.leaves[i] = jax.ShapeDtypeStruct(shape, dtype)
+        info.weak[i] = False
+        return
+    raise TypeError(
+        f"eqx_logs: key {key!r} is logged with dtype {old.dtype} and with dtype {dtype} "
+        f"({where}). Every event of one key must have the same dtype; cast one of them."
+    )
+
+
+def _add(a: Counts, b: Counts, scale: int = 1) -> Counts:
+    out = dict(a)
+    for k, n in b.items():
+        n = None if n is None else n * scale
+        out[k] = None if n is None or out.get(k, 0) is None else out.get(k, 0) + n
+    return out
+
+
+def max_counts(many: Sequence[Counts]) -> Counts:
+    out: Counts = {}
+    for counts in many:
+        for k, n in counts.items():
+            out[k] = None if n is None or out.get(k, 0) is None else max(out.get(k, 0), n)
+    return out
+
+
+def unbounded(counts: Counts) -> Counts:
+    return {k: None for k in counts}
+
+
+class Interpreter:
+    """Evaluates jaxprs, folding log events into per-key reduction states."""
+
+    def __init__(self, selection: Selection, rules: dict[str, Any]):
+        self.selection = selection
+        self.rules = rules
+        self.info: dict[str, _KeyInfo] = {}
+        self._counts: dict[int, tuple[Any, Counts]] = {}
+        self._has_log: dict[int, tuple[Any, bool]] = {}
+
+    # -- first pass ---------------------------------------------------------------------
+
+    def has_log(self, closed: Any) -> bool:
+        hit = self._has_log.get(id(closed))
+        if hit is None:
+            jaxpr, _ = _compat.unpack(closed)
+            found = any(is_log(e) or self.eqn_has_log(e) for e in jaxpr.eqns)
+            hit = self._has_log[id(closed)] = (closed, found)
+        return hit[1]
+
+    def eqn_has_log(self, eqn: _compat.JaxprEqn) -> bool:
+        if log_effect in eqn.effects:
+            return True
+        return any(self.has_log(sub) for sub in _compat.sub_jaxprs(eqn.params))
+
+    def count(self, closed: Any) -> Counts:
+        """Static bound on the number of selected events per key in `closed`."""
+        hit = self._counts.get(id(closed))
+        if hit is not None:
+            return hit[1]
+        jaxpr, _ = _compat.unpack(closed)
+        total: Counts = {}
+        for eqn in jaxpr.eqns:
+            if is_log(eqn):
+                if self.selection.selects(eqn.params):
+                    total = _add(total, {k: 1 for k in self._record(eqn)})
+            elif self.eqn_has_log(eqn):
+                total = _add(total, self.rule(eqn).count(self, eqn))
+        self._counts[id(closed)] = (closed, total)
+        return total
+
+    def keys(self, closed: Any) -> tuple[str, ...]:
+        return tuple(self.count(closed))
+
+    def rule(self, eqn: _compat.JaxprEqn) -> Any:
+        rule = self.rules.get(eqn.primitive.name)
+        if rule is None:
+            raise UnhandledPrimitiveError(
+                f"eqx_logs: the primitive {eqn.primitive.name!r} (at "
+                f"{_compat.eqn_location(eqn)}) contains logs, but spool has no rule for it, so "
+                "its events cannot be captured and would be lost. Move the logs out of it, or "
+                f"wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
+            )
+        return rule
+
+    def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
+        params = eqn.params
+        treedef, site = params["treedef"], params["site"]
+        n_leaves = treedef.num_leaves
+        avals = [v.aval for v in eqn.invars]
+        items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
+        steps = {
+            name: jax.ShapeDtypeStruct(a.shape, a.dtype)
+            for name, a in zip(params["steps"], avals[n_leaves:])
+        }
+        for key, positions in items.items():
+            sub_leaves, sub_def = jtu.tree_flatten(positions)
+            info = self.info.get(key)
+            if info is None:
+                self.info[key] = _KeyInfo(
+                    treedef=sub_def,
+                    leaves=[jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in sub_leaves],
+                    weak=[bool(getattr(avals[i], "weak_type", False)) for i in sub_leaves],
+                    steps=dict(steps),
+                    sites=[site],
+                )
+                continue
+            if info.treedef != sub_def:
+                raise ValueError(
+                    f"eqx_logs: key {key!r} is logged with pytree structure {sub_def} at {site} "
+                    f"and {info.treedef} at {_site_list(info.sites)}. Every event of one key must "
+                    "have the same structure."
+                )
+            for j, i in enumerate(sub_leaves):
+                a = avals[i]
+                _merge_leaf(key, info, j, a.shape, a.dtype, getattr(a, "weak_type", False), site)
+            for name, s in steps.items():
+                if name in info.steps and info.steps[name].shape != s.shape:
+                    raise ValueError(
+                        f"eqx_logs: step {name!r} of key {key!r} has shape {s.shape} at {site} "
+                        f"but {info.steps[name].shape} at {_site_list(info.sites)}."
+                    )
+                info.steps.setdefault(name, s)
+            info.sites.append(site)
+        return list(items)
+
+    # -- second pass --------------------------------------------------------------------
+
+    def eval(self, closed: Any, args: Sequence[Any], states: dict[str, Any]):
+        """Evaluate `closed` on `args`; returns `(outs, states)`."""
+        jaxpr, consts = _compat.unpack(closed)
+        states = dict(states)
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, _compat.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            if is_log(eqn):
+                self._event(eqn, invals, states)
+                outs = []
+            elif self.eqn_has_log(eqn):
+                outs, states = self.rule(eqn).apply(self, eqn, invals, states)
+            else:
+                outs = _compat.bind_eqn(eqn, invals)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, _compat.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars], states
+
+    def _event(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> None:
+        sel = self.selection
+        selected = sel.selects(eqn.params)
+        if (not selected or sel.keep) and _compat.logging_enabled.value:
+            _compat.bind_eqn(eqn, invals)  # not ours (or kept): an enclosing spool sees it
+        if not selected:
+            return
+        params = eqn.params
+        treedef = params["treedef"]
+        n_leaves = treedef.num_leaves
+        items = jtu.tree_unflatten(treedef, invals[:n_leaves])
+        steps = dict(zip(params["steps"], invals[n_leaves:]))
+        for key, value in items.items():
+            info = self.info[key]
+            value = jtu.tree_unflatten(
+                info.treedef,
+                [
+                    jax.lax.stop_gradient(jnp.asarray(x, s.dtype))
+                    for x, s in zip(jtu.tree_leaves(value), info.leaves)
+                ],
+            )
+            event_steps = {
+                name: jnp.asarray(steps[name], s.dtype)
+                if name in steps
+                else jnp.full(s.shape, -1, s.dtype)
+                for name, s in info.steps.items()
+            }
+            event = {"value": value, "steps": event_steps}
+            state = states[key]
+            if sel.interval == 1:
+                valid = True
+            else:
+                valid = state["seen"] % sel.interval == 0
+            states[key] = {
+                "seen": state["seen"] + 1,
+                "kept": state["kept"] + jnp.asarray(valid, jnp.int32),
+                "state": self.reduction(key).update(state["state"], event, valid),
+            }
+
+    def reduction(self, key: str) -> AbstractReduction:
+        return self._reductions[key]
+
+    # -- the whole program ----------------------------------------------------------------
+
+    def run(
+        self,
+        closed: Any,
+        args: Sequence[Any],
+        reduction_for: Callable[[str], AbstractReduction],
+    ) -> tuple[list[Any], LogDict]:
+        counts = self.count(closed)
+        self._reductions = {key: reduction_for(key) for key in counts}
+        states = {}
+        for key, n in counts.items():
+            if n is not None:
+                n = math.ceil(n / self.selection.interval)
+            try:
+                state = self._reductions[key].init(self.info[key].struct(), n)
+            except _UnboundedStack:
+                raise ValueError(
+                    f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
+                    f"{_site_list(self.info[key].sites)}), so its number of events has no static "
+                    "bound and the default reduction, stack, cannot allocate its buffer. Use "
+                    "`lax.scan` or `lax.fori_loop` with static bounds, or move the log out of "
+                    "the loop."
+                ) from None
+            zero = jnp.zeros((), jnp.int32)
+            states[key] = {"seen": zero, "kept": zero, "state": state}
+        outs, states = self.eval(closed, args, states)
+        values, count, steps = {}, {}, {}
+        for key, state in states.items():
+            name = self.selection.prefix + key
+            out = self._reductions[key].finalize(state["state"])
+            values[name] = out["value"]
+            count[name] = state["kept"]
+            for step_name, v in out["steps"].items():
+                steps.setdefault(step_name, {})[name] = v
+        return outs, LogDict(values, count=count, steps=steps)
+

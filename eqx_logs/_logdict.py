@@ -1,0 +1,72 @@
+from collections.abc import Mapping
+from typing import Any
+
+import jax.tree_util as jtu
+
+
+@jtu.register_pytree_with_keys_class
+class LogDict(dict):
+    """What `spool` returns: a dict from key to logged value, plus counts and step info.
+
+    - `logs[key]`: the reduced value (for the default reduction, events stacked on a new
+      leading axis, unused slots NaN or 0);
+    - `logs.count[key]`: the number of real events;
+    - `logs.<step>[key]`: the step values recorded with `log(..., step=i)`, aligned with
+      `logs[key]` (for example `logs.step["loss"]`, `logs.episode["loss"]`).
+
+    A LogDict is a pytree whose static part is only its keys and step names, so it passes
+    through `jax.jit` and `eqx.filter_jit` as an output.
+    """
+
+    __slots__ = ("_count", "_steps")
+
+    def __init__(
+        self,
+        values: Mapping[str, Any] = (),
+        *,
+        count: Mapping[str, Any] | None = None,
+        steps: Mapping[str, Mapping[str, Any]] | None = None,
+    ):
+        super().__init__(values)
+        self._count = dict(count or {})
+        # step name -> {key -> stacked step values}
+        self._steps = {name: dict(per_key) for name, per_key in (steps or {}).items()}
+
+    @property
+    def count(self) -> dict[str, Any]:
+        return self._count
+
+    @property
+    def steps(self) -> dict[str, dict[str, Any]]:
+        """All step info: `{step_name: {key: values}}`."""
+        return self._steps
+
+    def __getattr__(self, name: str) -> dict[str, Any]:
+        try:
+            return object.__getattribute__(self, "_steps")[name]
+        except KeyError:
+            raise AttributeError(
+                f"LogDict has no step named {name!r}; steps recorded: {sorted(self._steps)}."
+            ) from None
+
+    def __repr__(self) -> str:
+        return f"LogDict({dict.__repr__(self)}, count={self._count!r})"
+
+    def tree_flatten_with_keys(self):
+        keys = tuple(self)
+        step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
+        children = [(jtu.DictKey(k), self[k]) for k in keys]
+        children += [(jtu.GetAttrKey(f"count[{k!r}]"), self._count[k]) for k in keys]
+        for name, per_key in step_names:
+            children += [(jtu.GetAttrKey(f"{name}[{k!r}]"), self._steps[name][k]) for k in per_key]
+        return children, (keys, step_names)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        keys, step_names = aux
+        n = len(keys)
+        values = dict(zip(keys, children[:n]))
+        count = dict(zip(keys, children[n : 2 * n]))
+        rest = iter(children[2 * n :])
+        steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
+        return cls(values, count=count, steps=steps)

@@ -1,0 +1,339 @@
+"""The `log` primitive and the user-facing functions that bind it: `log`, `log_grad`, `scope`.
+
+One call to `log` binds `log_p` once. Its operands are the value leaves of every key, then the
+step scalars; its parameters say how to rebuild them (`treedef`, `steps`) and carry the call's
+`tags`, `reduce`, `site` (where it was called, for error messages) and `nbatch` (how many
+leading axes vmap added). It has no outputs and an effect of its own, so it survives DCE, AD,
+remat and control flow until a spool or tap interprets it.
+"""
+
+import contextlib
+import functools
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import ArrayLike, PyTree
+
+from . import _compat
+
+
+class LogEffect(_compat.Effect):
+    """The effect of `log_p`: keeps a log alive until a spool or tap consumes it."""
+
+    def __repr__(self) -> str:
+        return "eqx_logs.LogEffect"
+
+
+log_effect = LogEffect()
+_compat.register_effect(LogEffect)
+
+log_p = _compat.Primitive("eqx_logs.log")
+log_p.multiple_results = True
+
+
+@log_p.def_effectful_abstract_eval
+def _log_abstract_eval(*avals, **params):
+    del avals, params
+    return [], {log_effect}
+
+
+@log_p.def_impl
+def _log_impl(*args, site, **params):
+    del args, params
+    raise RuntimeError(
+        f"eqx_logs.log at {site} was evaluated eagerly while a spool or tap was tracing (for "
+        "example under `jax.ensure_compile_time_eval`). Its value cannot be captured there: "
+        "log traced values, outside `ensure_compile_time_eval`."
+    )
+
+
+def _log_jvp(primals, tangents, **params):
+    del tangents
+    log_p.bind(*primals, **params)  # primal values only, once
+    return [], []
+
+
+def _log_batch(args, dims, *, nbatch, **params):
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+    moved = [
+        jnp.broadcast_to(a, (size, *jnp.shape(a)))
+        if d is _compat.not_mapped
+        else jnp.moveaxis(a, d, 0)
+        for a, d in zip(args, dims)
+    ]
+    log_p.bind(*moved, nbatch=nbatch + 1, **params)
+    return [], []
+
+
+_compat.def_jvp(log_p, _log_jvp)
+_compat.def_batching(log_p, _log_batch)
+# A log that reaches compilation was traced with logging on but never consumed by a spool or
+# tap interpreter (so it is outside every spool): it does nothing, like `log` outside a spool.
+_compat.def_lowering(log_p, lambda *args, **params: [])
+
+
+def is_log(eqn: _compat.JaxprEqn) -> bool:
+    return eqn.primitive is log_p
+
+
+# ----------------------------------------------------------------------------------------
+# Scopes and call sites.
+# ----------------------------------------------------------------------------------------
+
+_local = threading.local()
+_package_dir = os.path.dirname(os.path.abspath(__file__))
+
+
+def _scopes() -> list[str]:
+    if not hasattr(_local, "scopes"):
+        _local.scopes = []
+    return _local.scopes
+
+
+@contextlib.contextmanager
+def scope(name: str) -> Iterator[None]:
+    """Prefix every key logged inside the block with `name/`. Scopes nest.
+
+    **Arguments:**
+
+    - `name`: a non-empty string without leading or trailing `/`.
+
+    !!! example
+
+        ```python
+        with eqx_logs.scope("encoder"):
+            eqx_logs.log("norm", x)  # logged as "encoder/norm"
+        ```
+
+    The prefix is applied when `log` is called (when the function is traced), so it is the
+    same on every retrace: no counters are involved.
+    """
+    if not isinstance(name, str) or not name or name.strip("/") != name:
+        raise ValueError(
+            f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/', "
+            f"got {name!r}."
+        )
+    stack = _scopes()
+    stack.append(name)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _call_site() -> str:
+    frame = sys._getframe(1)
+    while frame is not None and os.path.dirname(
+        os.path.abspath(frame.f_code.co_filename)
+    ).startswith(_package_dir):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+# ----------------------------------------------------------------------------------------
+# log
+# ----------------------------------------------------------------------------------------
+
+_MISSING = object()
+# Attributes of LogDict that a step name would shadow.
+RESERVED_STEP_NAMES = frozenset({"count", "steps", "step_names"})
+
+
+def _is_arraylike(x: Any) -> bool:
+    return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
+
+
+def _check_value(key: str, value: Any, site: str) -> list[Any]:
+    leaves = jtu.tree_leaves(value)
+    if not leaves:
+        raise ValueError(f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}.")
+    for leaf in leaves:
+        if not _is_arraylike(leaf):
+            raise TypeError(
+                f"eqx_logs.log: key {key!r} at {site} has a value of type "
+                f"{type(leaf).__name__} ({leaf!r:.60}); only arrays, numpy arrays and Python "
+                "numbers can be logged (log a number that encodes it, or put strings in tags)."
+            )
+        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"eqx_logs.log: key {key!r} at {site} is a typed PRNG key; log "
+                "`jax.random.key_data(key)` instead."
+            )
+    return leaves
+
+
+def _check_step(name: str, value: Any, site: str) -> jax.Array:
+    if name in RESERVED_STEP_NAMES:
+        raise ValueError(
+            f"eqx_logs.log: step name {name!r} at {site} is reserved by LogDict "
+            f"({sorted(RESERVED_STEP_NAMES)}); choose another name such as 'iteration'."
+        )
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok and isinstance(value, jax.Array | np.ndarray | np.generic):
+        ok = jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.integer)
+    if not ok:
+        raise TypeError(
+            f"eqx_logs.log: step {name}={value!r:.60} at {site} must be an integer scalar "
+            "(a Python int or an integer array of shape ()), for example `step=i`."
+        )
+    return jnp.asarray(value)
+
+
+def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
+    if isinstance(tags, str):
+        tags = (tags,)
+    tags = tuple(tags)
+    if not all(isinstance(t, str) for t in tags):
+        raise TypeError(f"eqx_logs.log: tags at {site} must be strings, got {tags!r}.")
+    return tags
+
+
+def log(
+    data: dict[str, PyTree[ArrayLike]] | str,
+    value: PyTree[ArrayLike] = _MISSING,
+    /,
+    *,
+    tags: str | tuple[str, ...] = (),
+    reduce: Any = None,
+    **steps: int | ArrayLike,
+) -> None:
+    """Log values from anywhere: a model, a scan body, a cond branch, a vmapped function.
+
+    **Arguments:**
+
+    - `data`: a dict from key (a string) to value (a pytree of arrays or Python numbers); or a
+        key, with the value as the second argument: `log("loss", loss)`.
+    - `tags`: strings that spool's and tap's `tags=`/`exclude=` filters select on.
+    - `reduce`: the reduction for these keys at this call site (reserved: only the default,
+        `"stack"`, is available until the reductions land).
+    - `**steps`: named integer scalars recorded beside every key of this call, for example
+        `step=i, episode=e`; read back as `logs.step[key]`, `logs.episode[key]`.
+
+    **Returns:**
+
+    None. Outside any `spool` or `tap` this does nothing and adds nothing to compiled code.
+
+    !!! example
+
+        ```python
+        def f(x):
+            eqx_logs.log({"x": x, "x2": x**2}, step=0)
+            return x + 1
+
+        out, logs = eqx_logs.spool(f)(1.0)  # logs["x"] == [1.0], logs.step["x"] == [0]
+        ```
+    """
+    site = _call_site()
+    if value is not _MISSING:
+        if not isinstance(data, str):
+            raise TypeError(
+                f"eqx_logs.log(name, value) at {site} needs a string name, got "
+                f"{type(data).__name__}; use log({{name: value}}) for several keys."
+            )
+        data = {data: value}
+    elif not isinstance(data, dict):
+        raise TypeError(
+            f"eqx_logs.log at {site} takes a dict from key to value, or a name and a value; "
+            f"got {type(data).__name__}."
+        )
+    if reduce not in (None, "stack", "append"):
+        raise NotImplementedError(
+            f"eqx_logs.log(reduce={reduce!r}) at {site}: only the default reduction, 'stack', "
+            "is available in this version."
+        )
+    tags = _normalise_tags(tags, site)
+    prefix = "/".join(_scopes())
+    items = {}
+    for key, val in data.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(
+                f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
+                f"got {key!r} of type {type(key).__name__}."
+            )
+        _check_value(key, val, site)
+        items[f"{prefix}/{key}" if prefix else key] = val
+    step_vals = {name: _check_step(name, s, site) for name, s in steps.items()}
+    if not _compat.logging_enabled.value:
+        return None
+    bind(items, step_vals, tags=tags, reduce=reduce, site=site)
+
+
+def bind(
+    items: dict[str, Any],
+    steps: dict[str, Any],
+    *,
+    tags: tuple[str, ...] = (),
+    reduce: Any = None,
+    site: str,
+) -> None:
+    """Bind `log_p` for already-validated, already-scoped `items`."""
+    leaves, treedef = jtu.tree_flatten(items)
+    names = tuple(sorted(steps))
+    operands = [jnp.asarray(x) for x in leaves] + [jnp.asarray(steps[n]) for n in names]
+    log_p.bind(
+        *operands, treedef=treedef, steps=names, tags=tags, reduce=reduce, site=site, nbatch=0
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# log_grad
+# ----------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grad_tap(key: str, site: str, x):
+    return x
+
+
+def _grad_tap_fwd(key, site, x):
+    return x, None
+
+
+def _grad_tap_bwd(key, site, _, ct):
+    if _compat.logging_enabled.value:
+        bind({key: ct}, {}, site=site)
+    return (ct,)
+
+
+_grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+
+
+def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
+    """Identity on `x`; in the backward pass, logs the cotangent of `x` under `name`.
+
+    **Arguments:**
+
+    - `name`: the key (scopes apply, as for `log`).
+    - `x`: a pytree of floating-point arrays.
+
+    **Returns:**
+
+    `x`, unchanged.
+
+    !!! example
+
+        ```python
+        def loss(w, x):
+            h = eqx_logs.log_grad("dh", jnp.tanh(w * x))
+            return jnp.sum(h**2)
+
+        g, logs = eqx_logs.spool(jax.grad(loss))(w, x)  # logs["dh"][0] == d loss / d h
+        ```
+    """
+    site = _call_site()
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"eqx_logs.log_grad at {site} needs a non-empty string name, got {name!r}.")
+    _check_value(name, x, site)
+    if not _compat.logging_enabled.value:
+        return x
+    prefix = "/".join(_scopes())
+    return _grad_tap(f"{prefix}/{name}" if prefix else name, site, x)
