@@ -156,7 +156,7 @@ def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect)
 # The higher-order primitives, by name (names are stable across versions; objects move).
 # ----------------------------------------------------------------------------------------
 
-INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call"})
+INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call", "eval_jaxpr"})
 SCAN = "scan"
 WHILE = "while"
 COND = "cond"

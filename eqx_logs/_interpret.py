@@ -67,6 +67,14 @@ def _site_list(sites: Sequence[str]) -> str:
     return "; ".join(dict.fromkeys(sites))
 
 
+def _python_scalar(dtype) -> Any:
+    """A Python scalar of `dtype`'s kind: promotes like a weakly typed value of that dtype."""
+    for kind, value in ((jnp.bool_, True), (jnp.integer, 1), (jnp.floating, 1.0)):
+        if jnp.issubdtype(dtype, kind):
+            return value
+    return 1j
+
+
 def _merge_leaf(key, info, i, shape, dtype, weak, site):
     old = info.leaves[i]
     where = f"at {site} and at {_site_list(info.sites)}"
@@ -79,9 +87,9 @@ def _merge_leaf(key, info, i, shape, dtype, weak, site):
     if old.dtype == dtype:
         info.weak[i] = info.weak[i] and weak
         return
-    if weak and not info.weak[i] and jnp.result_type(old.dtype, dtype) == old.dtype:
+    if weak and not info.weak[i] and jnp.result_type(old.dtype, _python_scalar(dtype)) == old.dtype:
         return  # a weakly typed Python scalar adapts
-    if info.weak[i] and not weak and jnp.result_type(old.dtype, dtype) == dtype:
+    if info.weak[i] and not weak and jnp.result_type(dtype, _python_scalar(old.dtype)) == dtype:
         info.leaves[i] = jax.ShapeDtypeStruct(shape, dtype)
         info.weak[i] = False
         return
