@@ -272,16 +272,14 @@ class Interpreter:
                 for name, s in info.steps.items()
             }
             event = {"value": value, "steps": event_steps}
-            state = states[key]
-            if sel.interval == 1:
-                valid = True
-            else:
+            state = dict(states[key])
+            valid = True
+            if sel.interval > 1:  # events 0, k, 2k, ... of this key
                 valid = state["seen"] % sel.interval == 0
-            states[key] = {
-                "seen": state["seen"] + 1,
-                "kept": state["kept"] + jnp.asarray(valid, jnp.int32),
-                "state": self.reduction(key).update(state["state"], event, valid),
-            }
+                state["seen"] = state["seen"] + 1
+            state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
+            state["state"] = self.reduction(key).update(state["state"], event, valid)
+            states[key] = state
 
     def reduction(self, key: str) -> AbstractReduction:
         return self._reductions[key]
@@ -310,15 +308,16 @@ class Interpreter:
                     "`lax.scan` or `lax.fori_loop` with static bounds, or move the log out of "
                     "the loop."
                 ) from None
-            zero = jnp.zeros((), jnp.int32)
-            states[key] = {"seen": zero, "kept": zero, "state": state}
+            states[key] = {"count": jnp.zeros((), jnp.int32), "state": state}
+            if self.selection.interval > 1:
+                states[key]["seen"] = jnp.zeros((), jnp.int32)
         outs, states = self.eval(closed, args, states)
         values, count, steps = {}, {}, {}
         for key, state in states.items():
             name = self.selection.prefix + key
             out = self._reductions[key].finalize(state["state"])
             values[name] = out["value"]
-            count[name] = state["kept"]
+            count[name] = state["count"]
             for step_name, v in out["steps"].items():
                 steps.setdefault(step_name, {})[name] = v
         return outs, LogDict(values, count=count, steps=steps)

@@ -607,3 +607,19 @@ def test_bad_spool_options():
         el.spool(sin_scan, reduce="mean")
     with pytest.raises(TypeError, match="callable"):
         el.spool(3)
+
+
+
+def test_unbatched_value_under_vmap_is_logged_once_without_batch_axis():
+    """As in JAX itself, a value that does not depend on the vmapped inputs is not batched
+    (this is also what keeps jacfwd and hessian from adding an axis to primal logs)."""
+
+    def f(x):
+        el.log("const", jnp.float32(7.0))
+        el.log("x", x)
+        return x
+
+    _, logs = el.spool(jax.vmap(f))(jnp.arange(3.0))
+    assert logs["const"].shape == (1,) and logs["x"].shape == (1, 3)
+    _, logs = jax.vmap(el.spool(f))(jnp.arange(3.0))
+    assert logs["const"].shape == (3, 1)
