@@ -15,13 +15,13 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary d
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from jax._src import config as _jax_config
-from jax._src import core as _core
-from jax._src import effects as _effects
-from jax._src import source_info_util as _source_info_util
-from jax._src.interpreters import ad as _ad
-from jax._src.interpreters import batching as _batching
-from jax._src.interpreters import mlir as _mlir
+from jax._src import (
+    config as _jax_config,
+    core as _core,
+    effects as _effects,
+    source_info_util as _source_info_util,
+)
+from jax._src.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
 Jaxpr = _core.Jaxpr
 JaxprEqn = _core.JaxprEqn

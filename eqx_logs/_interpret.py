@@ -190,7 +190,9 @@ class Interpreter:
             if info is None:
                 self.info[key] = _KeyInfo(
                     treedef=sub_def,
-                    leaves=[jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in sub_leaves],
+                    leaves=[
+                        jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in sub_leaves
+                    ],
                     weak=[bool(getattr(avals[i], "weak_type", False)) for i in sub_leaves],
                     steps=dict(steps),
                     sites=[site],
@@ -321,4 +323,3 @@ class Interpreter:
             for step_name, v in out["steps"].items():
                 steps.setdefault(step_name, {})[name] = v
         return outs, LogDict(values, count=count, steps=steps)
-

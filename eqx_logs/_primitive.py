@@ -155,7 +155,9 @@ def _is_arraylike(x: Any) -> bool:
 def _check_value(key: str, value: Any, site: str) -> list[Any]:
     leaves = jtu.tree_leaves(value)
     if not leaves:
-        raise ValueError(f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}.")
+        raise ValueError(
+            f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}."
+        )
     for leaf in leaves:
         if not _is_arraylike(leaf):
             raise TypeError(

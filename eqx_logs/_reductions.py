@@ -67,7 +67,8 @@ class Stack(AbstractReduction):
             v = jnp.asarray(v, buf.dtype)
             if valid is not True:
                 v = jnp.where(valid, v, buf[index])
-            return jax.lax.dynamic_update_index_in_dim(buf, v, index, axis=0)
+            zeros = (0,) * v.ndim
+            return jax.lax.dynamic_update_slice(buf, v[None], (index, *zeros))
 
         buffers = jtu.tree_map(write, state["buffer"], value)
         return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}

@@ -100,8 +100,8 @@ def spool(
     default_reduce = isinstance(reduce, Stack) or reduce in (None, "stack", "append")
     if policy is not None or window is not None or not default_reduce:
         raise NotImplementedError(
-                "eqx_logs.spool: `policy`, `window` and reductions other than 'stack' are not "
-                "available in this version."
+            "eqx_logs.spool: `policy`, `window` and reductions other than 'stack' are not "
+            "available in this version."
         )
     selection = _selection(interval=interval, tags=tags, exclude=exclude, prefix=prefix, keep=keep)
     if fun is None:

@@ -38,9 +38,7 @@ def train(model, x, y, lr, num_steps):
     params, static = eqx.partition(model, eqx.is_array)
 
     def step(params, i):
-        loss, grads = jax.value_and_grad(
-            lambda p: loss_fn(eqx.combine(p, static), x, y)
-        )(params)
+        loss, grads = jax.value_and_grad(lambda p: loss_fn(eqx.combine(p, static), x, y))(params)
         grad_norm = jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads)))
         eqx_logs.log({"loss": loss, "grad_norm": grad_norm}, step=i)
         params = jax.tree.map(lambda p, g: p - lr * g, params, grads)
@@ -57,8 +55,10 @@ def main():
     model, logs = train(MLP(km), x, y, 0.3, 500)
     loss = np.asarray(logs["loss"])
     print(f"logged keys: {sorted(logs)}")
-    print(f"loss: {loss.shape[0]} events, step {int(logs.step['loss'][0])}..."
-          f"{int(logs.step['loss'][-1])}: {loss[0]:.4f} -> {loss[-1]:.4f}")
+    print(
+        f"loss: {loss.shape[0]} events, step {int(logs.step['loss'][0])}..."
+        f"{int(logs.step['loss'][-1])}: {loss[0]:.4f} -> {loss[-1]:.4f}"
+    )
     print(f"grad_norm at the last step: {float(logs['grad_norm'][-1]):.4f}")
     print(f"dpred: {logs['dpred'].shape} (one backward event per step, batch of 64)")
     assert loss[-1] < loss[0], "training should reduce the loss"

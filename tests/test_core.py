@@ -31,7 +31,7 @@ def sin_scan_reference(x, n=4):
     return np.array(out, np.float32)
 
 
-# -- basics ----------------------------------------------------------------------------------
+# -- basics ----------
 
 
 def test_single_call_has_leading_axis_one():
@@ -158,7 +158,7 @@ def test_logdict_is_a_pytree_through_jit():
     assert np.array_equal(back.step["x"], [3]) and int(back.count["x"]) == 1
 
 
-# -- scans, loops, conds ----------------------------------------------------------------------
+# -- scans, loops, conds ----------
 
 
 def test_nested_scans_flatten_in_execution_order():
@@ -293,7 +293,7 @@ def test_equinox_while_loop(kind):
             el.spool(f)(jnp.float32(1.0))
 
 
-# -- vmap ---------------------------------------------------------------------------------------
+# -- vmap ----------
 
 
 def test_vmap_axes_are_never_merged():
@@ -316,7 +316,7 @@ def test_filter_vmap_and_filter_grad():
     assert_close(logs["c"], sin_scan_reference(1.0))
 
 
-# -- AD -------------------------------------------------------------------------------------------
+# -- AD ----------
 
 
 @pytest.mark.parametrize(
@@ -416,7 +416,7 @@ def test_grad_of_spool_logs_carry_no_gradient():
     assert_close(jax.grad(lambda x: el.spool(sin_scan)(x)[0])(1.0), jax.grad(sin_scan)(1.0))
 
 
-# -- jit, filter_jit, nested spools ---------------------------------------------------------------
+# -- jit, filter_jit, nested spools ----------
 
 
 def test_jit_nested_jit_and_filter_jit_both_orders_repeatedly():
@@ -469,7 +469,7 @@ def test_log_outside_spool_adds_nothing():
     assert hlo(sin_scan) == hlo(plain)
 
 
-# -- never mutate cached jaxprs ----------------------------------------------------------------------
+# -- never mutate cached jaxprs ----------
 
 
 def _module_body(c, x):
@@ -492,7 +492,7 @@ def test_cached_jaxprs_are_not_mutated():
     assert_close(el.spool(f)(jnp.float32(1.0))[1]["c"], ref)
 
 
-# -- filtering and caching ---------------------------------------------------------------------------
+# -- filtering and caching ----------
 
 
 def test_static_arguments_and_no_retrace():
@@ -563,7 +563,7 @@ def test_bare_and_option_decorators():
     assert list(g(jnp.float32(1.0))[1]) == ["p/x"]
 
 
-# -- errors ---------------------------------------------------------------------------------------------
+# -- errors ----------
 
 
 @pytest.mark.parametrize(
@@ -607,7 +607,6 @@ def test_bad_spool_options():
         el.spool(sin_scan, reduce="mean")
     with pytest.raises(TypeError, match="callable"):
         el.spool(3)
-
 
 
 def test_unbatched_value_under_vmap_is_logged_once_without_batch_axis():

@@ -29,4 +29,4 @@ def test_readme_examples_run_and_print_what_they_claim():
         expected = _expected(code)
         assert len(printed) >= len(expected), code
         for line, want in zip(printed, expected):
-            assert " ".join(line.split()) .startswith(" ".join(want.split())), (line, want)
+            assert " ".join(line.split()).startswith(" ".join(want.split())), (line, want)
