@@ -306,9 +306,10 @@ class Interpreter:
                 raise ValueError(
                     f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
                     f"{_site_list(self.info[key].sites)}), so its number of events has no static "
-                    "bound and the default reduction, stack, cannot allocate its buffer. Use "
-                    "`lax.scan` or `lax.fori_loop` with static bounds, or move the log out of "
-                    "the loop."
+                    "bound and a stack without a capacity cannot allocate its buffer. Pass "
+                    "`reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last') to spool, use "
+                    "`lax.scan`/`lax.fori_loop` with static bounds, or move the log out of the "
+                    "loop."
                 ) from None
             states[key] = {"count": jnp.zeros((), jnp.int32), "state": state}
             if self.selection.interval > 1:

@@ -6,7 +6,7 @@ of arrays that can live in a loop carry), `update` folds in one event (only wher
 """
 
 import abc
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -46,49 +46,79 @@ def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
 class Stack(AbstractReduction):
     """Every event, stacked along a new leading axis in execution order.
 
-    Real events come first; unused slots hold NaN (inexact dtypes) or 0. The buffer holds the
-    static upper bound on the number of events, so it is allocated once and written in place
-    inside loops.
+    **Arguments:**
+
+    - `capacity`: the number of slots. By default, the static upper bound on the number of
+        events, which spool computes; required for logs inside `lax.while_loop`.
+    - `keep`: with a capacity smaller than the number of events, `"first"` keeps the first
+        `capacity` events, `"last"` the latest ones (a ring buffer), oldest first.
+
+    Real events come first; unused slots hold NaN (inexact dtypes) or 0. The buffer is
+    allocated once and written in place inside loops.
     """
 
+    capacity: int | None = eqx.field(default=None, static=True)
+    keep: Literal["first", "last"] = eqx.field(default="first", static=True)
+
+    def __check_init__(self):
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool)
+            or not isinstance(self.capacity, int)
+            or self.capacity < 1
+        ):
+            raise ValueError(f"Stack(capacity={self.capacity!r}): capacity must be an int >= 1.")
+        if self.keep not in ("first", "last"):
+            raise ValueError(f"Stack(keep={self.keep!r}): keep must be 'first' or 'last'.")
+
     def init(self, struct, max_events):
-        if max_events is None:
+        size = self.capacity if self.capacity is not None else max_events
+        if size is None:
             raise _UnboundedStack()
-        buffers = jtu.tree_map(lambda s: _empty(s, max_events), struct)
+        buffers = jtu.tree_map(lambda s: _empty(s, size), struct)
+        # index: the number of events received.
         return {"buffer": buffers, "index": jnp.zeros((), jnp.int32)}
 
     def update(self, state, value, valid):
         index = state["index"]
-        capacity = jtu.tree_leaves(state["buffer"])[0].shape[0]
-        if capacity == 0:
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        if size == 0:
             return state
+        if self.keep == "last":
+            position = index % size
+        else:
+            position = index
+            if self.capacity is not None:  # otherwise the bound is never exceeded
+                valid = jnp.logical_and(valid, index < size)
 
         def write(buf: Array, v: Any) -> Array:
             v = jnp.asarray(v, buf.dtype)
             if valid is not True:
-                v = jnp.where(valid, v, buf[index])
+                v = jnp.where(valid, v, buf[jnp.minimum(position, size - 1)])
             zeros = (0,) * v.ndim
-            return jax.lax.dynamic_update_slice(buf, v[None], (index, *zeros))
+            return jax.lax.dynamic_update_slice(buf, v[None], (position, *zeros))
 
         buffers = jtu.tree_map(write, state["buffer"], value)
         return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}
 
     def merge(self, a, b):
-        capacity = jtu.tree_leaves(a["buffer"])[0].shape[0]
-        positions = jnp.arange(capacity)
-        # b's real events go right after a's.
-        source = positions - a["index"]
+        # Replay b's stored events, oldest first, into a.
+        stored = self.finalize(b)
+        size = jtu.tree_leaves(stored)[0].shape[0]
+        num = jnp.minimum(b["index"], size)
 
-        def combine(buf_a: Array, buf_b: Array) -> Array:
-            taken = jnp.take(buf_b, jnp.clip(source, 0, capacity - 1), axis=0)
-            mask = (source >= 0).reshape((capacity,) + (1,) * (buf_a.ndim - 1))
-            return jnp.where(mask, taken, buf_a)
+        def body(i, state):
+            event = jtu.tree_map(lambda x: x[i], stored)
+            return self.update(state, event, i < num)
 
-        buffers = jtu.tree_map(combine, a["buffer"], b["buffer"])
-        return {"buffer": buffers, "index": jnp.minimum(a["index"] + b["index"], capacity)}
+        return jax.lax.fori_loop(0, size, body, a)
 
     def finalize(self, state):
-        return state["buffer"]
+        if self.keep == "first":
+            return state["buffer"]
+        index = state["index"]
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        shift = jnp.where(index > size, index % size, 0) if size else 0
+        return jtu.tree_map(lambda b: jnp.roll(b, -shift, axis=0), state["buffer"])
 
 
 class _UnboundedStack(Exception):

@@ -73,8 +73,9 @@ def spool(
     - `prefix`: prepended to every output key.
     - `keep`: also pass the captured events on to an enclosing spool (by default an inner
         spool consumes them). Events this spool does not select always pass on.
-    - `policy`, `reduce`, `window`: reserved for the reductions (only the default, `"stack"`,
-        is available in this version).
+    - `reduce`: `"stack"` (the default) or an `eqx_logs.Stack(capacity=..., keep=...)`, which
+        bounds the buffer (required for logs inside `lax.while_loop`).
+    - `policy`, `window`: reserved for the reductions issue.
 
     **Returns:**
 
@@ -97,11 +98,18 @@ def spool(
         out, logs = eqx_logs.spool(f)(jnp.arange(3.0))  # logs["c"] == [0., 0., 1.]
         ```
     """
-    default_reduce = isinstance(reduce, Stack) or reduce in (None, "stack", "append")
-    if policy is not None or window is not None or not default_reduce:
+    if isinstance(reduce, str) and reduce in ("stack", "append") or reduce is None:
+        reduction = Stack()
+    elif isinstance(reduce, Stack):
+        reduction = reduce
+    else:
         raise NotImplementedError(
-            "eqx_logs.spool: `policy`, `window` and reductions other than 'stack' are not "
-            "available in this version."
+            f"eqx_logs.spool(reduce={reduce!r}): only the stack reduction ('stack' or "
+            "`eqx_logs.Stack(capacity=..., keep=...)`) is available in this version."
+        )
+    if policy is not None or window is not None:
+        raise NotImplementedError(
+            "eqx_logs.spool: `policy` and `window` are not available in this version."
         )
     selection = _selection(interval=interval, tags=tags, exclude=exclude, prefix=prefix, keep=keep)
     if fun is None:
@@ -119,13 +127,13 @@ def spool(
 
     @functools.wraps(fun)
     def spooled(*args, **kwargs):
-        return _spool_call(fun, selection, args, kwargs)
+        return _spool_call(fun, selection, reduction, args, kwargs)
 
     return spooled
 
 
 @eqx.filter_jit
-def _spool_call(fun, selection, args, kwargs):
+def _spool_call(fun, selection, reduction, args, kwargs):
     dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_structure = []
@@ -141,7 +149,7 @@ def _spool_call(fun, selection, args, kwargs):
     with _compat.logging_enabled(True):
         closed = jax.make_jaxpr(flat_fun)(*flat)
     interp = Interpreter(selection, RULES)
-    outs, logs = interp.run(closed, flat, lambda key: Stack())
+    outs, logs = interp.run(closed, flat, lambda key: reduction)
     out_def, out_static = out_structure[-1]
     return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static), logs
 

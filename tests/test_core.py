@@ -289,8 +289,66 @@ def test_equinox_while_loop(kind):
         assert_close(logs["w"][:n], [1, 2, 4])
         assert np.all(np.isnan(logs["w"][n:]))
     else:
-        with pytest.raises(ValueError, match=r"key 'w'"):
+        with pytest.raises(ValueError, match=r"key 'w'.*Stack\(capacity"):
             el.spool(f)(jnp.float32(1.0))
+    out, logs = el.spool(f, reduce=el.Stack(capacity=6))(jnp.float32(1.0))
+    assert_close(out[1], 8.0)
+    assert_close(logs["w"], [1, 2, 4, np.nan, np.nan, np.nan])
+    assert int(logs.count["w"]) == 3
+
+
+def _while_with_logs(x, n):
+    def cond(c):
+        el.log("cond", c[0])
+        return c[0] < n
+
+    def body(c):
+        el.log("body", c[1])
+        return c[0] + 1, c[1] * 2
+
+    return lax.while_loop(cond, body, (0, x))
+
+
+@pytest.mark.parametrize("keep", ["first", "last"])
+@pytest.mark.parametrize("n", [0, 2, 5])
+def test_while_loop_with_capacity_against_python(keep, n):
+    capacity = 4
+    out, logs = el.spool(_while_with_logs, reduce=el.Stack(capacity=capacity, keep=keep))(
+        jnp.float32(1.0), n
+    )
+    conds = list(range(n + 1))  # cond_fun runs once more than the body
+    bodies = [2.0**i for i in range(n)]
+    for key, events in [("cond", conds), ("body", bodies)]:
+        kept = events[:capacity] if keep == "first" else events[-capacity:]
+        fill = 0 if key == "cond" else np.nan
+        assert_close(logs[key], kept + [fill] * (capacity - len(kept)))
+        assert int(logs.count[key]) == len(events)
+    assert int(out[0]) == n
+
+
+def test_while_loop_per_lane_under_vmap_of_spool():
+    spooled = el.spool(_while_with_logs, reduce=el.Stack(capacity=8))
+    _, logs = jax.vmap(spooled, in_axes=(0, None))(jnp.array([1.0, 3.0]), 3)
+    assert_close(logs["body"][:, :3], [[1, 2, 4], [3, 6, 12]])
+    assert np.array_equal(logs.count["cond"], [4, 4])
+
+
+def test_stack_validation_and_merge():
+    with pytest.raises(ValueError, match="capacity"):
+        el.Stack(capacity=0)
+    with pytest.raises(ValueError, match="keep"):
+        el.Stack(keep="middle")
+    struct = jax.ShapeDtypeStruct((2,), jnp.float32)
+    for keep, expected in [("first", [0, 1, 2]), ("last", [2, 3, 4])]:
+        stack = el.Stack(capacity=3, keep=keep)
+        a, b = stack.init(struct, None), stack.init(struct, None)
+        for i in range(2):
+            a = stack.update(a, jnp.full(2, float(i)), True)
+        for i in range(2, 5):
+            b = stack.update(b, jnp.full(2, float(i)), True)
+        b = stack.update(b, jnp.full(2, 99.0), False)
+        out = stack.finalize(stack.merge(a, b))
+        assert_close(out[:, 0], expected)
 
 
 # -- vmap ----------
