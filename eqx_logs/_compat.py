@@ -59,6 +59,16 @@ logging_enabled = _jax_config.bool_state(
     include_in_trace_context=True,
 )
 
+# The current `eqx_logs.scope` prefix, set only while logging is enabled: a jitted function
+# called under two different scopes inside a spool is traced twice, with the right keys.
+scope_prefix = _jax_config.string_or_object_state(
+    "eqx_logs_scope",
+    "",
+    "Internal to eqx_logs: the key prefix of the enclosing eqx_logs.scope blocks.",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
 
 def def_jvp(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_jvps[prim] = rule

@@ -123,9 +123,26 @@ def scope(name: str) -> Iterator[None]:
     stack = _scopes()
     stack.append(name)
     try:
-        yield
+        with tracing_context():
+            yield
     finally:
         stack.pop()
+
+
+def current_prefix() -> str:
+    return "/".join(_scopes())
+
+
+@contextlib.contextmanager
+def tracing_context(enabled: bool | None = None) -> Iterator[None]:
+    """Sets the JAX config states that `log` depends on at trace time (logging on or off, and
+    the scope prefix while on), so that JAX's trace caches tell the cases apart."""
+    with contextlib.ExitStack() as stack:
+        if enabled is not None:
+            stack.enter_context(_compat.logging_enabled(enabled))
+        if _compat.logging_enabled.value:
+            stack.enter_context(_compat.scope_prefix(current_prefix()))
+        yield
 
 
 def _call_site() -> str:
@@ -253,7 +270,7 @@ def log(
             "is available in this version."
         )
     tags = _normalise_tags(tags, site)
-    prefix = "/".join(_scopes())
+    prefix = current_prefix()
     items = {}
     for key, val in data.items():
         if not isinstance(key, str) or not key:
@@ -337,5 +354,5 @@ def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
     _check_value(name, x, site)
     if not _compat.logging_enabled.value:
         return x
-    prefix = "/".join(_scopes())
+    prefix = current_prefix()
     return _grad_tap(f"{prefix}/{name}" if prefix else name, site, x)

@@ -9,9 +9,9 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PyTree
 
-from . import _compat
 from ._interpret import Interpreter, Selection
 from ._logdict import LogDict
+from ._primitive import current_prefix, tracing_context
 from ._reductions import AbstractReduction, Stack
 from ._rules import RULES
 
@@ -127,13 +127,15 @@ def spool(
 
     @functools.wraps(fun)
     def spooled(*args, **kwargs):
-        return _spool_call(fun, selection, reduction, args, kwargs)
+        # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
+        return _spool_call(fun, selection, reduction, current_prefix(), args, kwargs)
 
     return spooled
 
 
 @eqx.filter_jit
-def _spool_call(fun, selection, reduction, args, kwargs):
+def _spool_call(fun, selection, reduction, scope, args, kwargs):
+    del scope
     dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_structure = []
@@ -146,7 +148,7 @@ def _spool_call(fun, selection, reduction, args, kwargs):
         out_structure.append((out_def, out_static))
         return leaves
 
-    with _compat.logging_enabled(True):
+    with tracing_context(enabled=True):
         closed = jax.make_jaxpr(flat_fun)(*flat)
     interp = Interpreter(selection, RULES)
     outs, logs = interp.run(closed, flat, lambda key: reduction)
@@ -169,7 +171,7 @@ def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
 
     @functools.wraps(fun)
     def wrapper(*args: PyTree, **kwargs: PyTree) -> _T:
-        with _compat.logging_enabled(False):
+        with tracing_context(enabled=False):
             return fun(*args, **kwargs)
 
     return wrapper

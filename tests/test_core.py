@@ -680,3 +680,28 @@ def test_unbatched_value_under_vmap_is_logged_once_without_batch_axis():
     assert logs["const"].shape == (1,) and logs["x"].shape == (1, 3)
     _, logs = jax.vmap(el.spool(f))(jnp.arange(3.0))
     assert logs["const"].shape == (3, 1)
+
+
+def test_scope_applies_to_a_jitted_function_called_under_two_scopes():
+    @jax.jit
+    def layer(x):
+        el.log("norm", x)
+        return x * 2
+
+    def f(x):
+        x = layer(x)
+        with el.scope("a"):
+            x = layer(x)
+            with el.scope("b"):
+                x = layer(x)
+        return x
+
+    _, logs = el.spool(f)(jnp.float32(1.0))
+    assert {k: float(v[0]) for k, v in logs.items()} == {
+        "norm": 1.0,
+        "a/norm": 2.0,
+        "a/b/norm": 4.0,
+    }
+    with el.scope("outer"):
+        _, logs = el.spool(f)(jnp.float32(1.0))
+    assert sorted(logs) == ["outer/a/b/norm", "outer/a/norm", "outer/norm"]
