@@ -74,6 +74,7 @@ def _log_batch(args, dims, *, nbatch, **params):
 
 _compat.def_jvp(log_p, _log_jvp)
 _compat.def_batching(log_p, _log_batch)
+_compat.keep_in_loops(log_p, LogEffect)
 # A log that reaches compilation was traced with logging on but never consumed by a spool or
 # tap interpreter (so it is outside every spool): it does nothing, like `log` outside a spool.
 _compat.def_lowering(log_p, lambda *args, **params: [])
