@@ -6,10 +6,13 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary d
 
 - `Effect`/`register_effect`: an effect type of our own, allowed everywhere a log may appear;
 - `Primitive` and the rule registries (`def_jvp`, `def_batching`, `def_lowering`);
-- `logging_enabled`: a JAX config state in the jit key and the trace context;
-- `unpack`/`closed_jaxpr_of`/`strip_eqn`: reading and rebuilding jaxprs without mutating them;
+- `logging_enabled`, `scope_prefix`: JAX config states in the jit key and the trace context;
+- `keep_in_loops`: partial-eval rules that stop JAX hoisting logs out of loops;
+- `unpack`/`sub_jaxprs`/`strip_eqn`: reading and rebuilding jaxprs without mutating them;
 - `bind_eqn`: evaluating one equation as `jax.core.eval_jaxpr` would;
 - one accessor per higher-order primitive (`scan_parts`, `while_parts`, ...).
+
+`tests/test_compat.py` checks each of these on the installed JAX version.
 """
 
 import sys

@@ -1,0 +1,93 @@
+"""The compat module's vocabulary holds on the installed JAX version."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import eqx_logs as el
+from eqx_logs import _compat
+from eqx_logs._primitive import is_log, log_effect
+
+
+def _eqns(f, *args, enabled=True):
+    with _compat.logging_enabled(enabled):
+        closed = jax.make_jaxpr(f)(*args)
+    jaxpr, consts = _compat.unpack(closed)
+    return closed, jaxpr, consts
+
+
+def test_unpack_and_bind_eqn_reproduce_eval():
+    c = np.arange(3.0, dtype=np.float32)
+
+    def f(x):
+        return jnp.sin(x) * c + 1.0
+
+    closed, jaxpr, consts = _eqns(f, jnp.ones(3))
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, [jnp.ones(3)]))
+    for eqn in jaxpr.eqns:
+        invals = [v.val if isinstance(v, _compat.Literal) else env[v] for v in eqn.invars]
+        env.update(zip(eqn.outvars, _compat.bind_eqn(eqn, invals)))
+    np.testing.assert_allclose(env[jaxpr.outvars[0]], f(jnp.ones(3)))
+
+
+def test_scan_while_cond_accessors():
+    def f(x, n):
+        def body(c, y):
+            return (c[0] + y * x, c[1]), c[0]
+
+        (a, _), ys = lax.scan(body, (x, 2.0), jnp.arange(4.0), reverse=True)
+        w = lax.while_loop(lambda v: v < n, lambda v: v + x, a)
+        return lax.cond(w > 0, lambda: w, lambda: -w) + ys.sum()
+
+    _, jaxpr, _ = _eqns(f, jnp.float32(1.0), jnp.float32(10.0))
+    by_name = {e.primitive.name: e for e in jaxpr.eqns}
+    body, num_consts, num_carry = _compat.scan_parts(by_name[_compat.SCAN])
+    body_jaxpr, _ = _compat.unpack(body)
+    assert num_consts + num_carry + 1 == len(body_jaxpr.invars)
+    assert _compat.scan_options(by_name[_compat.SCAN])["reverse"] is True
+    assert _compat.scan_options(by_name[_compat.SCAN])["length"] == 4
+    cond, cond_n, wbody, body_n = _compat.while_parts(by_name[_compat.WHILE])
+    assert len(_compat.unpack(cond)[0].outvars) == 1
+    assert len(_compat.unpack(wbody)[0].invars) == body_n + 1
+    assert len(_compat.cond_branches(by_name[_compat.COND])) == 2
+    assert len(list(_compat.sub_jaxprs(by_name[_compat.COND].params))) == 2
+
+
+def test_strip_eqn_builds_new_jaxprs_and_leaves_the_original():
+    def f(x):
+        def body(c, _):
+            el.log("c", c)
+            return c + 1, None
+
+        return lax.scan(body, x, None, length=2)[0]
+
+    closed, jaxpr, _ = _eqns(f, jnp.float32(0.0))
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == _compat.SCAN]
+    before = str(closed)
+    stripped = _compat.strip_eqn(scan, is_log, log_effect)
+    assert log_effect not in stripped.effects
+    assert "eqx_logs.log" not in str(stripped)
+    assert str(closed) == before and "eqx_logs.log" in before
+
+
+def test_logging_enabled_is_part_of_the_jit_key():
+    traces = []
+
+    @jax.jit
+    def f(x):
+        traces.append(_compat.logging_enabled.value)
+        return x + 1
+
+    f(1.0)
+    with _compat.logging_enabled(True):
+        f(1.0)
+    f(1.0)
+    assert traces == [False, True]
+
+
+def test_hoisting_detection_finds_jax_functions():
+    # If JAX renames these, the loop-invariant hoisting guard would silently stop working.
+    assert len(_compat._hoisting_codes) >= 1
+    assert len(_compat._splitting_codes) >= 3
