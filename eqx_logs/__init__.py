@@ -1,8 +1,29 @@
 """eqx_logs: imperative-style logging for JAX, done functionally."""
 
+from ._buffers import (
+    Collect as Collect,
+    Fanout as Fanout,
+    Sample as Sample,
+    Stack as Stack,
+    Window as Window,
+)
 from ._logdict import LogDict as LogDict
+from ._policy import Policy as Policy
 from ._primitive import log as log, log_grad as log_grad, scope as scope
-from ._reductions import AbstractReduction as AbstractReduction, Stack as Stack
+from ._reductions import (
+    EMA as EMA,
+    AbstractReduction as AbstractReduction,
+    Count as Count,
+    First as First,
+    Histogram as Histogram,
+    Last as Last,
+    Max as Max,
+    Mean as Mean,
+    Min as Min,
+    Std as Std,
+    Sum as Sum,
+    Var as Var,
+)
 from ._spool import nolog as nolog, spool as spool
 
 __version__ = "0.1.0"

@@ -12,6 +12,7 @@ Two passes over a traced program:
 """
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -21,32 +22,16 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from . import _compat
+from ._buffers import NeedsBound
 from ._logdict import LogDict
+from ._policy import Policy
 from ._primitive import is_log, log_effect
-from ._reductions import AbstractReduction, _UnboundedStack
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
 
 class UnhandledPrimitiveError(NotImplementedError):
     pass
-
-
-@dataclasses.dataclass(frozen=True)
-class Selection:
-    """Which log events a spool consumes, and what it does with them."""
-
-    tags: tuple[str, ...] | None = None
-    exclude: tuple[str, ...] = ()
-    interval: int = 1
-    prefix: str = ""
-    keep: bool = False
-
-    def selects(self, params: dict[str, Any]) -> bool:
-        tags = params["tags"]
-        if self.tags is not None and not set(tags) & set(self.tags):
-            return False
-        return not set(tags) & set(self.exclude)
 
 
 @dataclasses.dataclass
@@ -58,9 +43,32 @@ class _KeyInfo:
     weak: list[bool]
     steps: dict[str, jax.ShapeDtypeStruct]
     sites: list[str]
+    nbatch: int
+    reduce: dict[str, Any]  # call site -> the reduction it names
 
-    def struct(self) -> dict[str, Any]:
-        return {"value": jtu.tree_unflatten(self.treedef, self.leaves), "steps": self.steps}
+    def batch_shape(self) -> tuple[int, ...]:
+        return self.leaves[0].shape[: self.nbatch]
+
+    def lane_struct(self) -> Any:
+        """The structure of one event of one batch lane."""
+        leaves = [jax.ShapeDtypeStruct(s.shape[self.nbatch :], s.dtype) for s in self.leaves]
+        return jtu.tree_unflatten(self.treedef, leaves)
+
+    def site_reduce(self, key: str) -> Any:
+        named = {site: r for site, r in self.reduce.items() if r is not None}
+        if len({_reduce_id(r) for r in named.values()}) > 1:
+            detail = "; ".join(f"{r!r} at {site}" for site, r in named.items())
+            raise ValueError(
+                f"eqx_logs: key {key!r} is logged with different reductions ({detail}). Name "
+                "one reduction per key, or set it once with a Policy rule."
+            )
+        return next(iter(named.values()), None)
+
+
+def _reduce_id(reduce: Any) -> Any:
+    from ._policy import as_reduction
+
+    return as_reduction(reduce)
 
 
 def _site_list(sites: Sequence[str]) -> str:
@@ -122,8 +130,9 @@ def unbounded(counts: Counts) -> Counts:
 class Interpreter:
     """Evaluates jaxprs, folding log events into per-key reduction states."""
 
-    def __init__(self, selection: Selection, rules: dict[str, Any]):
-        self.selection = selection
+    def __init__(self, policy: Policy, rules: dict[str, Any], *, keep: bool = False):
+        self.policy = policy
+        self.keep = keep
         self.rules = rules
         self.info: dict[str, _KeyInfo] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
@@ -153,7 +162,7 @@ class Interpreter:
         total: Counts = {}
         for eqn in jaxpr.eqns:
             if is_log(eqn):
-                if self.selection.selects(eqn.params):
+                if self.policy.selects(eqn.params["tags"]):
                     total = _add(total, {k: 1 for k in self._record(eqn)})
             elif self.eqn_has_log(eqn):
                 total = _add(total, self.rule(eqn).count(self, eqn))
@@ -161,7 +170,8 @@ class Interpreter:
         return total
 
     def keys(self, closed: Any) -> tuple[str, ...]:
-        return tuple(self.count(closed))
+        """The keys with a state (selected, not dropped) logged in `closed`."""
+        return tuple(k for k in self.count(closed) if k in self._reductions)
 
     def rule(self, eqn: _compat.JaxprEqn) -> Any:
         rule = self.rules.get(eqn.primitive.name)
@@ -196,6 +206,8 @@ class Interpreter:
                     weak=[bool(getattr(avals[i], "weak_type", False)) for i in sub_leaves],
                     steps=dict(steps),
                     sites=[site],
+                    nbatch=params["nbatch"],
+                    reduce={site: params["reduce"]},
                 )
                 continue
             if info.treedef != sub_def:
@@ -215,6 +227,7 @@ class Interpreter:
                     )
                 info.steps.setdefault(name, s)
             info.sites.append(site)
+            info.reduce.setdefault(site, params["reduce"])
         return list(items)
 
     # -- second pass --------------------------------------------------------------------
@@ -247,9 +260,8 @@ class Interpreter:
         return [read(v) for v in jaxpr.outvars], states
 
     def _event(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> None:
-        sel = self.selection
-        selected = sel.selects(eqn.params)
-        if (not selected or sel.keep) and _compat.logging_enabled.value:
+        selected = self.policy.selects(eqn.params["tags"])
+        if (not selected or self.keep) and _compat.logging_enabled.value:
             _compat.bind_eqn(eqn, invals)  # not ours (or kept): an enclosing spool sees it
         if not selected:
             return
@@ -259,68 +271,111 @@ class Interpreter:
         items = jtu.tree_unflatten(treedef, invals[:n_leaves])
         steps = dict(zip(params["steps"], invals[n_leaves:]))
         for key, value in items.items():
+            if key not in states:
+                continue  # dropped by a rule
             info = self.info[key]
+            leaves = jtu.tree_leaves(value)
             value = jtu.tree_unflatten(
                 info.treedef,
                 [
                     jax.lax.stop_gradient(jnp.asarray(x, s.dtype))
-                    for x, s in zip(jtu.tree_leaves(value), info.leaves)
+                    for x, s in zip(leaves, info.leaves)
                 ],
             )
-            event_steps = {
-                name: jnp.asarray(steps[name], s.dtype)
-                if name in steps
-                else jnp.full(s.shape, -1, s.dtype)
-                for name, s in info.steps.items()
+            event = {
+                "value": value,
+                **{
+                    f"step:{name}": jnp.asarray(steps[name], s.dtype)
+                    if name in steps
+                    else jnp.full(s.shape, -1, s.dtype)
+                    for name, s in info.steps.items()
+                },
             }
-            event = {"value": value, "steps": event_steps}
-            state = dict(states[key])
-            valid = True
-            if sel.interval > 1:  # events 0, k, 2k, ... of this key
-                valid = state["seen"] % sel.interval == 0
-                state["seen"] = state["seen"] + 1
-            state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
-            state["state"] = self.reduction(key).update(state["state"], event, valid)
-            states[key] = state
+            states[key] = self._update(key, states[key], event)
 
-    def reduction(self, key: str) -> AbstractReduction:
-        return self._reductions[key]
+    def _update(self, key: str, state: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+        state = dict(state)
+        valid = True
+        if self.policy.interval > 1:  # events 0, k, 2k, ... of this key
+            valid = state["seen"] % self.policy.interval == 0
+            state["seen"] = state["seen"] + 1
+        state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
+        nbatch = self.info[key].nbatch
+        for channel, reduction in self._channels[key].items():
+
+            def update(s, v, valid, reduction=reduction):
+                return reduction.update(s, v, valid)
+
+            if valid is True:
+                update = functools.partial(update, valid=True)
+                state[channel] = _vmap(update, nbatch)(state[channel], event[channel])
+            else:
+                state[channel] = _vmap(update, nbatch)(state[channel], event[channel], valid)
+        return state
 
     # -- the whole program ----------------------------------------------------------------
 
-    def run(
-        self,
-        closed: Any,
-        args: Sequence[Any],
-        reduction_for: Callable[[str], AbstractReduction],
-    ) -> tuple[list[Any], LogDict]:
+    def run(self, closed: Any, args: Sequence[Any]) -> tuple[list[Any], LogDict]:
         counts = self.count(closed)
-        self._reductions = {key: reduction_for(key) for key in counts}
-        states = {}
-        for key, n in counts.items():
-            if n is not None:
-                n = math.ceil(n / self.selection.interval)
-            try:
-                state = self._reductions[key].init(self.info[key].struct(), n)
-            except _UnboundedStack:
-                raise ValueError(
-                    f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
-                    f"{_site_list(self.info[key].sites)}), so its number of events has no static "
-                    "bound and a stack without a capacity cannot allocate its buffer. Pass "
-                    "`reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last') to spool, use "
-                    "`lax.scan`/`lax.fori_loop` with static bounds, or move the log out of the "
-                    "loop."
-                ) from None
-            states[key] = {"count": jnp.zeros((), jnp.int32), "state": state}
-            if self.selection.interval > 1:
-                states[key]["seen"] = jnp.zeros((), jnp.int32)
+        self._reductions = {}
+        self._channels = {}
+        for key in counts:
+            info = self.info[key]
+            reduction = self.policy.reduction(key, info.site_reduce(key))
+            if not isinstance(reduction, str):  # "drop"
+                self._reductions[key] = reduction
+                step = reduction.step_reduction()
+                self._channels[key] = {
+                    "value": reduction,
+                    **{f"step:{n}": step for n in info.steps},
+                }
+        states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states)
         values, count, steps = {}, {}, {}
         for key, state in states.items():
-            name = self.selection.prefix + key
-            out = self._reductions[key].finalize(state["state"])
-            values[name] = out["value"]
+            name = self.policy.prefix + key
+            nbatch = self.info[key].nbatch
             count[name] = state["count"]
-            for step_name, v in out["steps"].items():
-                steps.setdefault(step_name, {})[name] = v
+            for channel, reduction in self._channels[key].items():
+                out = _vmap(reduction.finalize, nbatch)(state[channel])
+                out = reduction.place_batch_axes(out, nbatch)
+                if channel == "value":
+                    values[name] = out
+                else:
+                    steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         return outs, LogDict(values, count=count, steps=steps)
+
+    def _init(self, key: str, bound: int | None) -> dict[str, Any]:
+        info = self.info[key]
+        if bound is not None:
+            bound = math.ceil(bound / self.policy.interval)
+        lane = {"value": info.lane_struct()}
+        for name, s in info.steps.items():
+            lane[f"step:{name}"] = jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)
+        batch = info.batch_shape()
+        state = {"count": jnp.zeros(batch, jnp.int32)}
+        if self.policy.interval > 1:
+            state["seen"] = jnp.zeros(batch, jnp.int32)
+        for channel, reduction in self._channels[key].items():
+            try:
+                lane_state = reduction.init(lane[channel], bound)
+            except NeedsBound:
+                raise ValueError(
+                    f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
+                    f"{_site_list(info.sites)}), so its number of events has no static bound and "
+                    f"{type(reduction).__name__} cannot allocate its buffer without one. Pass a "
+                    "capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last'), "
+                    "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
+                    "`lax.fori_loop` with static bounds."
+                ) from None
+            state[channel] = jtu.tree_map(
+                lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
+            )
+        return state
+
+
+def _vmap(fun: Callable, nbatch: int) -> Callable:
+    """`fun` mapped over `nbatch` leading axes of all its arguments."""
+    for _ in range(nbatch):
+        fun = jax.vmap(fun)
+    return fun

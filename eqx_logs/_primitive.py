@@ -208,6 +208,19 @@ def _check_step(name: str, value: Any, site: str) -> jax.Array:
     return jnp.asarray(value)
 
 
+def _check_reduce(reduce: Any, site: str) -> None:
+    from ._policy import as_reduction
+
+    as_reduction(reduce, where=f"eqx_logs.log at {site}: reduce")
+    try:
+        hash(reduce)
+    except TypeError:
+        raise TypeError(
+            f"eqx_logs.log at {site}: reduce={reduce!r} must be hashable (it is recorded when "
+            "tracing); pass array fields such as a Sample key to spool instead."
+        ) from None
+
+
 def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
     if isinstance(tags, str):
         tags = (tags,)
@@ -233,8 +246,9 @@ def log(
     - `data`: a dict from key (a string) to value (a pytree of arrays or Python numbers); or a
         key, with the value as the second argument: `log("loss", loss)`.
     - `tags`: strings that spool's and tap's `tags=`/`exclude=` filters select on.
-    - `reduce`: the reduction for these keys at this call site (reserved: only the default,
-        `"stack"`, is available until the reductions land).
+    - `reduce`: the reduction for these keys, a name (`"mean"`) or a reduction; used unless a
+        spool's Policy rule matches the key. Two sites naming different reductions for one key
+        is an error.
     - `**steps`: named integer scalars recorded beside every key of this call, for example
         `step=i, episode=e`; read back as `logs.step[key]`, `logs.episode[key]`.
 
@@ -265,11 +279,8 @@ def log(
             f"eqx_logs.log at {site} takes a dict from key to value, or a name and a value; "
             f"got {type(data).__name__}."
         )
-    if reduce not in (None, "stack", "append"):
-        raise NotImplementedError(
-            f"eqx_logs.log(reduce={reduce!r}) at {site}: only the default reduction, 'stack', "
-            "is available in this version."
-        )
+    if reduce is not None:
+        _check_reduce(reduce, site)
     tags = _normalise_tags(tags, site)
     prefix = current_prefix()
     items = {}

@@ -6,17 +6,44 @@ of arrays that can live in a loop carry), `update` folds in one event (only wher
 """
 
 import abc
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, Bool, PyTree
+from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
 
 class AbstractReduction(eqx.Module):
-    """Base class of reductions. Subclasses implement the four methods below."""
+    """Base class of reductions: how the events of one key become one output.
+
+    Subclasses implement `init`, `update`, `merge` and `finalize`. States are pytrees of
+    arrays, so they can live in loop carries; `update` must leave the state unchanged where
+    `valid` is false (an event in an untaken branch). A reduction sees the events of one
+    batch lane: under `spool(vmap(f))` spool vmaps it over the batch axes.
+
+    !!! example
+
+        ```python
+        class Product(eqx_logs.AbstractReduction):
+            def init(self, struct, max_events):
+                return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), struct)
+
+            def update(self, state, value, valid):
+                return jax.tree.map(lambda s, v: jnp.where(valid, s * v, s), state, value)
+
+            def merge(self, a, b):
+                return jax.tree.map(jnp.multiply, a, b)
+
+            def finalize(self, state):
+                return state
+        ```
+    """
+
+    #: How many leading axes of the output index events or windows (Stack: 1, Mean: 0).
+    #: Under `spool(vmap(f))` the batch axes go right after them.
+    event_axes: ClassVar[int] = 0
 
     @abc.abstractmethod
     def init(self, struct: PyTree[jax.ShapeDtypeStruct], max_events: int | None) -> PyTree[Array]:
@@ -37,89 +64,328 @@ class AbstractReduction(eqx.Module):
     def finalize(self, state: PyTree[Array]) -> PyTree[Array]:
         """The output for a state."""
 
+    def step_reduction(self) -> "AbstractReduction":
+        """How the step values recorded with the events (`log(..., step=i)`) are reduced so
+        that they line up with the output: the last step, by default."""
+        return Last()
 
-def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
-    fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
-    return jnp.full((n, *leaf.shape), fill, leaf.dtype)
+    def place_batch_axes(self, output: PyTree[Array], nbatch: int) -> PyTree[Array]:
+        """Move the `nbatch` leading batch axes of a vmapped `finalize` output to just after
+        its `event_axes`: `spool(vmap(f))` with Stack gives `(T, B, ...)`."""
+        if not self.event_axes or not nbatch:
+            return output
+        src, dst = list(range(nbatch)), list(range(self.event_axes, self.event_axes + nbatch))
+        return jtu.tree_map(lambda x: jnp.moveaxis(x, src, dst), output)
+
+    def with_key(self, key: PRNGKeyArray) -> "AbstractReduction":
+        """This reduction with randomness from `key`, if it needs any."""
+        del key
+        return self
 
 
-class Stack(AbstractReduction):
-    """Every event, stacked along a new leading axis in execution order.
+def _select(valid, new: PyTree, old: PyTree) -> PyTree:
+    if valid is True:
+        return new
+    return jtu.tree_map(lambda n, o: jnp.where(valid, n, o), new, old)
+
+
+def _nan_or_zero(dtype) -> Any:
+    return jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else 0
+
+
+def _float_dtype(dtype):
+    return jnp.result_type(dtype, 1.0) if not jnp.issubdtype(dtype, jnp.inexact) else dtype
+
+
+def _count(valid) -> Array:
+    return jnp.asarray(valid, jnp.int32)
+
+
+class Last(AbstractReduction):
+    """The latest event (NaN, or 0 for integers, if none happened)."""
+
+    def init(self, struct, max_events):
+        value = jtu.tree_map(lambda s: jnp.full(s.shape, _nan_or_zero(s.dtype), s.dtype), struct)
+        return {"value": value, "count": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, value, valid):
+        value = jtu.tree_map(lambda v, s: jnp.asarray(v, s.dtype), value, state["value"])
+        return {
+            "value": _select(valid, value, state["value"]),
+            "count": state["count"] + _count(valid),
+        }
+
+    def merge(self, a, b):
+        return {
+            "value": _select(b["count"] > 0, b["value"], a["value"]),
+            "count": a["count"] + b["count"],
+        }
+
+    def finalize(self, state):
+        return state["value"]
+
+
+class First(AbstractReduction):
+    """The first event (NaN, or 0 for integers, if none happened)."""
+
+    def init(self, struct, max_events):
+        return Last().init(struct, max_events)
+
+    def update(self, state, value, valid):
+        return Last().update(state, value, jnp.logical_and(valid, state["count"] == 0)) | {
+            "count": state["count"] + _count(valid)
+        }
+
+    def merge(self, a, b):
+        return {
+            "value": _select(a["count"] > 0, a["value"], b["value"]),
+            "count": a["count"] + b["count"],
+        }
+
+    def finalize(self, state):
+        return state["value"]
+
+
+class Sum(AbstractReduction):
+    """The sum of the events (booleans are summed as int32)."""
+
+    def init(self, struct, max_events):
+        def zeros(s):
+            return jnp.zeros(s.shape, jnp.int32 if s.dtype == jnp.bool_ else s.dtype)
+
+        return jtu.tree_map(zeros, struct)
+
+    def update(self, state, value, valid):
+        return jtu.tree_map(lambda s, v: s + jnp.where(valid, v, 0).astype(s.dtype), state, value)
+
+    def merge(self, a, b):
+        return jtu.tree_map(jnp.add, a, b)
+
+    def finalize(self, state):
+        return state
+
+
+class Count(AbstractReduction):
+    """The number of events."""
+
+    def init(self, struct, max_events):
+        return jnp.zeros((), jnp.int32)
+
+    def update(self, state, value, valid):
+        return state + _count(valid)
+
+    def merge(self, a, b):
+        return a + b
+
+    def finalize(self, state):
+        return state
+
+
+class Mean(AbstractReduction):
+    """The mean of the events, as a numerically stable running mean (NaN if none)."""
+
+    def init(self, struct, max_events):
+        mean = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
+        return {"mean": mean, "count": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, value, valid):
+        count = state["count"] + _count(valid)
+        scale = jnp.where(valid, 1.0 / jnp.maximum(count, 1), 0.0)
+
+        def step(m, v):
+            return m + (scale * (v - m)).astype(m.dtype)
+
+        return {"mean": jtu.tree_map(step, state["mean"], value), "count": count}
+
+    def merge(self, a, b):
+        count = a["count"] + b["count"]
+        w = jnp.where(count > 0, b["count"] / jnp.maximum(count, 1), 0.0)
+        mean = jtu.tree_map(lambda x, y: x + (w * (y - x)).astype(x.dtype), a["mean"], b["mean"])
+        return {"mean": mean, "count": count}
+
+    def finalize(self, state):
+        return jtu.tree_map(lambda m: jnp.where(state["count"] > 0, m, jnp.nan), state["mean"])
+
+
+class _Extremum(AbstractReduction):
+    def _better(self, x, y):
+        raise NotImplementedError
+
+    def _identity(self, dtype):
+        raise NotImplementedError
+
+    def init(self, struct, max_events):
+        value = jtu.tree_map(lambda s: jnp.full(s.shape, self._identity(s.dtype), s.dtype), struct)
+        return {"value": value, "count": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, value, valid):
+        def step(s, v):
+            return jnp.where(valid, self._better(s, jnp.asarray(v, s.dtype)), s)
+
+        return {
+            "value": jtu.tree_map(step, state["value"], value),
+            "count": state["count"] + _count(valid),
+        }
+
+    def merge(self, a, b):
+        value = jtu.tree_map(self._better, a["value"], b["value"])
+        return {"value": value, "count": a["count"] + b["count"]}
+
+    def finalize(self, state):
+        def out(v):
+            return jnp.where(state["count"] > 0, v, _nan_or_zero(v.dtype))
+
+        return jtu.tree_map(out, state["value"])
+
+
+class Min(_Extremum):
+    """The elementwise minimum over events (NaN, or 0 for integers, if none)."""
+
+    def _better(self, x, y):
+        return jnp.minimum(x, y)
+
+    def _identity(self, dtype):
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return jnp.inf
+        return True if dtype == jnp.bool_ else jnp.iinfo(dtype).max
+
+
+class Max(_Extremum):
+    """The elementwise maximum over events (NaN, or 0 for integers, if none)."""
+
+    def _better(self, x, y):
+        return jnp.maximum(x, y)
+
+    def _identity(self, dtype):
+        if jnp.issubdtype(dtype, jnp.inexact):
+            return -jnp.inf
+        return False if dtype == jnp.bool_ else jnp.iinfo(dtype).min
+
+
+class Var(AbstractReduction):
+    """The (population, ddof=0) variance over events: Welford updates, Chan's merge."""
+
+    def init(self, struct, max_events):
+        zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
+        return {"mean": zeros, "m2": zeros, "count": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, value, valid):
+        count = state["count"] + _count(valid)
+        scale = jnp.where(valid, 1.0 / jnp.maximum(count, 1), 0.0)
+
+        delta = jtu.tree_map(lambda m, v: v - m, state["mean"], value)
+        mean = jtu.tree_map(lambda m, d: m + (scale * d).astype(m.dtype), state["mean"], delta)
+
+        def m2(m2, d, v, m):
+            return m2 + jnp.where(valid, d * (v - m), 0).astype(m2.dtype)
+
+        return {
+            "mean": mean,
+            "m2": jtu.tree_map(m2, state["m2"], delta, value, mean),
+            "count": count,
+        }
+
+    def merge(self, a, b):
+        na, nb = a["count"], b["count"]
+        n = na + nb
+        safe = jnp.maximum(n, 1)
+
+        def mean(ma, mb):
+            return ma + ((mb - ma) * (nb / safe)).astype(ma.dtype)
+
+        def m2(ma, mb, m2a, m2b):
+            delta = mb - ma
+            return m2a + m2b + (delta**2 * (na * nb / safe)).astype(m2a.dtype)
+
+        return {
+            "mean": jtu.tree_map(mean, a["mean"], b["mean"]),
+            "m2": jtu.tree_map(m2, a["mean"], b["mean"], a["m2"], b["m2"]),
+            "count": n,
+        }
+
+    def finalize(self, state):
+        n = state["count"]
+        return jtu.tree_map(
+            lambda m2: jnp.where(n > 0, m2 / jnp.maximum(n, 1), jnp.nan), state["m2"]
+        )
+
+
+class Std(Var):
+    """The (population, ddof=0) standard deviation over events."""
+
+    def finalize(self, state):
+        return jtu.tree_map(jnp.sqrt, super().finalize(state))
+
+
+class EMA(AbstractReduction):
+    """The bias-corrected exponential moving average of the events:
+    `sum_i (1 - decay) decay^(n-1-i) x_i / (1 - decay^n)` (the first event is returned as is).
 
     **Arguments:**
 
-    - `capacity`: the number of slots. By default, the static upper bound on the number of
-        events, which spool computes; required for logs inside `lax.while_loop`.
-    - `keep`: with a capacity smaller than the number of events, `"first"` keeps the first
-        `capacity` events, `"last"` the latest ones (a ring buffer), oldest first.
-
-    Real events come first; unused slots hold NaN (inexact dtypes) or 0. The buffer is
-    allocated once and written in place inside loops.
+    - `decay`: in [0, 1); may be an array (changing it does not recompile).
     """
 
-    capacity: int | None = eqx.field(default=None, static=True)
-    keep: Literal["first", "last"] = eqx.field(default="first", static=True)
+    decay: float | Array
 
     def __check_init__(self):
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool)
-            or not isinstance(self.capacity, int)
-            or self.capacity < 1
-        ):
-            raise ValueError(f"Stack(capacity={self.capacity!r}): capacity must be an int >= 1.")
-        if self.keep not in ("first", "last"):
-            raise ValueError(f"Stack(keep={self.keep!r}): keep must be 'first' or 'last'.")
+        if isinstance(self.decay, int | float) and not 0 <= self.decay < 1:
+            raise ValueError(f"EMA(decay={self.decay!r}): decay must be in [0, 1).")
 
     def init(self, struct, max_events):
-        size = self.capacity if self.capacity is not None else max_events
-        if size is None:
-            raise _UnboundedStack()
-        buffers = jtu.tree_map(lambda s: _empty(s, size), struct)
-        # index: the number of events received.
-        return {"buffer": buffers, "index": jnp.zeros((), jnp.int32)}
+        total = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
+        return {"total": total, "weight": jnp.zeros((), jnp.float32)}
 
     def update(self, state, value, valid):
-        index = state["index"]
-        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
-        if size == 0:
-            return state
-        if self.keep == "last":
-            position = index % size
-        else:
-            position = index
-            if self.capacity is not None:  # otherwise the bound is never exceeded
-                valid = jnp.logical_and(valid, index < size)
-
-        def write(buf: Array, v: Any) -> Array:
-            v = jnp.asarray(v, buf.dtype)
-            if valid is not True:
-                v = jnp.where(valid, v, buf[jnp.minimum(position, size - 1)])
-            zeros = (0,) * v.ndim
-            return jax.lax.dynamic_update_slice(buf, v[None], (position, *zeros))
-
-        buffers = jtu.tree_map(write, state["buffer"], value)
-        return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}
+        d = jnp.where(valid, self.decay, 1.0)
+        c = jnp.where(valid, 1.0 - self.decay, 0.0)
+        total = jtu.tree_map(lambda t, v: (d * t + c * v).astype(t.dtype), state["total"], value)
+        return {"total": total, "weight": d * state["weight"] + c}
 
     def merge(self, a, b):
-        # Replay b's stored events, oldest first, into a.
-        stored = self.finalize(b)
-        size = jtu.tree_leaves(stored)[0].shape[0]
-        num = jnp.minimum(b["index"], size)
-
-        def body(i, state):
-            event = jtu.tree_map(lambda x: x[i], stored)
-            return self.update(state, event, i < num)
-
-        return jax.lax.fori_loop(0, size, body, a)
+        carry = 1.0 - b["weight"]  # decay ** (number of events in b)
+        total = jtu.tree_map(lambda x, y: (carry * x + y).astype(x.dtype), a["total"], b["total"])
+        return {"total": total, "weight": carry * a["weight"] + b["weight"]}
 
     def finalize(self, state):
-        if self.keep == "first":
-            return state["buffer"]
-        index = state["index"]
-        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
-        shift = jnp.where(index > size, index % size, 0) if size else 0
-        return jtu.tree_map(lambda b: jnp.roll(b, -shift, axis=0), state["buffer"])
+        w = state["weight"]
+        return jtu.tree_map(
+            lambda t: jnp.where(w > 0, t / jnp.where(w > 0, w, 1), jnp.nan), state["total"]
+        )
 
 
-class _UnboundedStack(Exception):
-    """Raised by `Stack.init` without a bound; the interpreter adds the key and call site."""
+class Histogram(AbstractReduction):
+    """Counts of all elements of all events in `bins` equal bins over `range` (as
+    `numpy.histogram`: the last bin includes its right edge, values outside are ignored).
+    The bin edges are `jnp.linspace(*range, bins + 1)`."""
+
+    bins: int = eqx.field(static=True)
+    range: tuple[float, float] = eqx.field(static=True)
+
+    def __check_init__(self):
+        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 1:
+            raise ValueError(f"Histogram(bins={self.bins!r}): bins must be an int >= 1.")
+        lo, hi = self.range
+        if not lo < hi:
+            raise ValueError(f"Histogram(range={self.range!r}): needs low < high.")
+
+    def init(self, struct, max_events):
+        return jtu.tree_map(lambda s: jnp.zeros((self.bins,), jnp.int32), struct)
+
+    def update(self, state, value, valid):
+        lo, hi = self.range
+
+        def add(counts, v):
+            v = jnp.ravel(v).astype(jnp.float32)
+            inside = jnp.logical_and(v >= lo, v <= hi)
+            index = jnp.clip(jnp.floor((v - lo) / (hi - lo) * self.bins), 0, self.bins - 1)
+            weight = jnp.logical_and(inside, valid).astype(jnp.int32)
+            return counts.at[index.astype(jnp.int32)].add(weight)
+
+        return jtu.tree_map(add, state, value)
+
+    def merge(self, a, b):
+        return jtu.tree_map(jnp.add, a, b)
+
+    def finalize(self, state):
+        return state

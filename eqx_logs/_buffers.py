@@ -1,0 +1,331 @@
+"""Reductions that keep events (Stack, Collect, Sample) or compose others (Window, Fanout)."""
+
+import math
+from typing import Any, ClassVar, Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PRNGKeyArray
+
+from ._reductions import AbstractReduction, _select
+
+
+class NeedsBound(Exception):
+    """Raised by `init` when a reduction needs a static bound on the number of events and
+    none is known (a log inside a while loop); spool turns it into an error naming the key."""
+
+
+def _check_capacity(name: str, capacity: Any) -> None:
+    if capacity is not None and (
+        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
+    ):
+        raise ValueError(f"{name}(capacity={capacity!r}): capacity must be an int >= 1.")
+
+
+def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
+    fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
+    return jnp.full((n, *leaf.shape), fill, leaf.dtype)
+
+
+class Stack(AbstractReduction):
+    """Every event, stacked along a new leading axis in execution order.
+
+    **Arguments:**
+
+    - `capacity`: the number of slots. By default, the static upper bound on the number of
+        events, which spool computes; required for logs inside `lax.while_loop`.
+    - `keep`: with a capacity smaller than the number of events, `"first"` keeps the first
+        `capacity` events, `"last"` the latest ones (a ring buffer), oldest first.
+
+    Real events come first; unused slots hold NaN (inexact dtypes) or 0. The buffer is
+    allocated once and written in place inside loops.
+    """
+
+    capacity: int | None = eqx.field(default=None, static=True)
+    keep: Literal["first", "last"] = eqx.field(default="first", static=True)
+    event_axes: ClassVar[int] = 1
+
+    def __check_init__(self):
+        if self.capacity is not None and (
+            isinstance(self.capacity, bool)
+            or not isinstance(self.capacity, int)
+            or self.capacity < 1
+        ):
+            raise ValueError(f"Stack(capacity={self.capacity!r}): capacity must be an int >= 1.")
+        if self.keep not in ("first", "last"):
+            raise ValueError(f"Stack(keep={self.keep!r}): keep must be 'first' or 'last'.")
+
+    def init(self, struct, max_events):
+        size = self.capacity if self.capacity is not None else max_events
+        if size is None:
+            raise NeedsBound()
+        buffers = jtu.tree_map(lambda s: _empty(s, size), struct)
+        # index: the number of events received.
+        return {"buffer": buffers, "index": jnp.zeros((), jnp.int32)}
+
+    def update(self, state, value, valid):
+        index = state["index"]
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        if size == 0:
+            return state
+        if self.keep == "last":
+            position = index % size
+        else:
+            position = index
+            if self.capacity is not None:  # otherwise the bound is never exceeded
+                valid = jnp.logical_and(valid, index < size)
+
+        def write(buf: Array, v: Any) -> Array:
+            v = jnp.asarray(v, buf.dtype)
+            if valid is not True:
+                v = jnp.where(valid, v, buf[jnp.minimum(position, size - 1)])
+            zeros = (0,) * v.ndim
+            return jax.lax.dynamic_update_slice(buf, v[None], (position, *zeros))
+
+        buffers = jtu.tree_map(write, state["buffer"], value)
+        return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}
+
+    def merge(self, a, b):
+        # Replay b's stored events, oldest first, into a.
+        stored = self.finalize(b)
+        size = jtu.tree_leaves(stored)[0].shape[0]
+        num = jnp.minimum(b["index"], size)
+
+        def body(i, state):
+            event = jtu.tree_map(lambda x: x[i], stored)
+            return self.update(state, event, i < num)
+
+        return jax.lax.fori_loop(0, size, body, a)
+
+    def step_reduction(self):
+        return self  # the same slots, so steps line up with values
+
+    def finalize(self, state):
+        if self.keep == "first":
+            return state["buffer"]
+        index = state["index"]
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        shift = jnp.where(index > size, index % size, 0) if size else 0
+        return jtu.tree_map(lambda b: jnp.roll(b, -shift, axis=0), state["buffer"])
+
+
+class Collect(AbstractReduction):
+    """Every element of every event, ravelled and concatenated (per leaf), in execution
+    order; unused slots at the end hold NaN or 0 (learned_optimization's "collect").
+
+    **Arguments:**
+
+    - `capacity`: the number of events kept (required inside while loops).
+    """
+
+    capacity: int | None = eqx.field(default=None, static=True)
+    event_axes: ClassVar[int] = 1
+
+    def __check_init__(self):
+        _check_capacity("Collect", self.capacity)
+
+    def _stack(self) -> Stack:
+        return Stack(capacity=self.capacity)
+
+    def init(self, struct, max_events):
+        return self._stack().init(struct, max_events)
+
+    def update(self, state, value, valid):
+        return self._stack().update(state, value, valid)
+
+    def merge(self, a, b):
+        return self._stack().merge(a, b)
+
+    def finalize(self, state):
+        return jtu.tree_map(jnp.ravel, self._stack().finalize(state))
+
+
+class Sample(AbstractReduction):
+    """A uniform random sample of `k` events without replacement (reservoir sampling,
+    algorithm R), in reservoir order; unused slots hold NaN or 0.
+
+    **Arguments:**
+
+    - `k`: the sample size.
+    - `key`: a `jax.random.key`; by default the key given to spool (`spool(..., key=...)` or
+        `Policy(key=...)`), folded with the log key so that keys are sampled independently.
+        The same key gives the same sample.
+    """
+
+    k: int = eqx.field(static=True)
+    key: PRNGKeyArray | None = None
+    event_axes: ClassVar[int] = 1
+
+    def __check_init__(self):
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            raise ValueError(f"Sample(k={self.k!r}): k must be an int >= 1.")
+
+    def with_key(self, key):
+        return self if self.key is not None else Sample(self.k, key)
+
+    def step_reduction(self):
+        return self  # same key, same decisions: steps line up with values
+
+    def init(self, struct, max_events):
+        if self.key is None:
+            raise ValueError(
+                "Sample needs randomness: pass `key=jax.random.key(0)` to spool (or to Policy), "
+                "or `Sample(k, key=...)`."
+            )
+        return {
+            "stack": Stack(capacity=self.k).init(struct, self.k),
+            "seen": jnp.zeros((), jnp.int32),
+        }
+
+    def update(self, state, value, valid):
+        seen = state["seen"]
+        replace = jax.random.randint(jax.random.fold_in(self.key, seen), (), 0, seen + 1)
+        slot = jnp.where(seen < self.k, seen, replace)
+        write = jnp.logical_and(valid, slot < self.k)
+        stack = state["stack"]
+
+        def put(buf, v):
+            v = jnp.asarray(v, buf.dtype)
+            i = jnp.minimum(slot, self.k - 1)
+            new = jnp.where(write, v, buf[i])
+            return jax.lax.dynamic_update_slice(buf, new[None], (i, *(0,) * v.ndim))
+
+        buffer = jtu.tree_map(put, stack["buffer"], value)
+        filled = jnp.minimum(seen + jnp.asarray(valid, jnp.int32), self.k)
+        return {
+            "stack": {"buffer": buffer, "index": filled},
+            "seen": seen + jnp.asarray(valid, jnp.int32),
+        }
+
+    def merge(self, a, b):
+        raise NotImplementedError(
+            "Sample.merge: combining two reservoirs into one uniform sample is not supported."
+        )
+
+    def finalize(self, state):
+        return state["stack"]["buffer"]
+
+
+class Window(AbstractReduction):
+    """Reduces each run of `size` consecutive events with `inner` and stacks the results:
+    "the mean loss over every 100 steps". A last, partial window is included.
+
+    **Arguments:**
+
+    - `size`: events per window.
+    - `inner`: the reduction applied within each window (a name or a reduction).
+    - `capacity`: the number of windows kept (required inside while loops); by default
+        `ceil(max_events / size)`.
+    """
+
+    size: int = eqx.field(static=True)
+    inner: AbstractReduction
+    capacity: int | None = eqx.field(default=None, static=True)
+    event_axes: ClassVar[int] = 1
+
+    def __init__(self, size: int, inner: Any = "mean", capacity: int | None = None):
+        from ._policy import as_reduction
+
+        self.size = size
+        self.inner = as_reduction(inner)
+        self.capacity = capacity
+
+    def __check_init__(self):
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"Window(size={self.size!r}): size must be an int >= 1.")
+        _check_capacity("Window", self.capacity)
+
+    def step_reduction(self):
+        return Window(self.size, self.inner.step_reduction(), self.capacity)
+
+    def with_key(self, key):
+        return Window(self.size, self.inner.with_key(key), self.capacity)
+
+    def _windows(self, max_events):
+        if self.capacity is not None:
+            return self.capacity
+        if max_events is None:
+            raise NeedsBound()
+        return math.ceil(max_events / self.size)
+
+    def init(self, struct, max_events):
+        fresh = self.inner.init(struct, self.size)
+        out = jax.eval_shape(self.inner.finalize, fresh)
+        n = self._windows(max_events)
+        return {
+            "current": fresh,
+            "position": jnp.zeros((), jnp.int32),
+            "windows": Stack(capacity=n).init(out, n),
+        }
+
+    def update(self, state, value, valid):
+        current = self.inner.update(state["current"], value, valid)
+        position = state["position"] + jnp.asarray(valid, jnp.int32)
+        done = position == self.size
+        stack = Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+        windows = stack.update(state["windows"], self.inner.finalize(current), done)
+        struct = jtu.tree_map(
+            lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), value
+        )
+        fresh = self.inner.init(struct, self.size)
+        return {
+            "current": _select(done, fresh, current),
+            "position": jnp.where(done, 0, position),
+            "windows": windows,
+        }
+
+    def merge(self, a, b):
+        raise NotImplementedError("Window.merge is not supported.")
+
+    def finalize(self, state):
+        stack = Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+        windows = stack.update(
+            state["windows"], self.inner.finalize(state["current"]), state["position"] > 0
+        )
+        return stack.finalize(windows)
+
+
+class Fanout(AbstractReduction):
+    """Several reductions of one key at once; the output is a dict from name to output.
+
+    !!! example
+
+        ```python
+        eqx_logs.spool(f, reduce=eqx_logs.Fanout(mean="mean", max=eqx_logs.Max()))
+        # logs["loss"] == {"mean": ..., "max": ...}
+        ```
+    """
+
+    reductions: dict[str, AbstractReduction]
+
+    def __init__(self, **named: Any):
+        from ._policy import as_reduction
+
+        if not named:
+            raise ValueError("Fanout needs at least one named reduction, e.g. Fanout(mean='mean').")
+        self.reductions = {name: as_reduction(r) for name, r in named.items()}
+
+    def with_key(self, key):
+        return Fanout(
+            **{
+                n: r.with_key(jax.random.fold_in(key, i))
+                for i, (n, r) in enumerate(self.reductions.items())
+            }
+        )
+
+    def init(self, struct, max_events):
+        return {n: r.init(struct, max_events) for n, r in self.reductions.items()}
+
+    def update(self, state, value, valid):
+        return {n: r.update(state[n], value, valid) for n, r in self.reductions.items()}
+
+    def merge(self, a, b):
+        return {n: r.merge(a[n], b[n]) for n, r in self.reductions.items()}
+
+    def finalize(self, state):
+        return {n: r.finalize(state[n]) for n, r in self.reductions.items()}
+
+    def place_batch_axes(self, output, nbatch):
+        return {n: r.place_batch_axes(output[n], nbatch) for n, r in self.reductions.items()}

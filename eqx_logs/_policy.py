@@ -1,0 +1,196 @@
+"""Policy: which events a spool keeps and how each key is reduced."""
+
+import fnmatch
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import equinox as eqx
+import jax
+from jaxtyping import PRNGKeyArray
+
+from ._buffers import Collect, Stack
+from ._reductions import (
+    AbstractReduction,
+    Count,
+    First,
+    Last,
+    Max,
+    Mean,
+    Min,
+    Std,
+    Sum,
+    Var,
+)
+
+_NAMES = {
+    "stack": Stack,
+    "append": Stack,
+    "last": Last,
+    "replace": Last,
+    "first": First,
+    "sum": Sum,
+    "mean": Mean,
+    "min": Min,
+    "max": Max,
+    "var": Var,
+    "std": Std,
+    "count": Count,
+    "collect": Collect,
+}
+DROP = "drop"
+
+
+def as_reduction(reduce: Any, *, allow_drop: bool = False, where: str = "reduce") -> Any:
+    """A reduction from a name (`"mean"`) or a reduction; `"drop"` too where allowed."""
+    if isinstance(reduce, AbstractReduction):
+        return reduce
+    if isinstance(reduce, str):
+        if allow_drop and reduce == DROP:
+            return DROP
+        if reduce in _NAMES:
+            return _NAMES[reduce]()
+    names = sorted(_NAMES) + ([DROP] if allow_drop else [])
+    raise ValueError(
+        f"{where}={reduce!r} is not a reduction: use one of {names} or an "
+        "eqx_logs.AbstractReduction such as eqx_logs.Window(100, 'mean')."
+    )
+
+
+def _strings(name: str, value: Any, *, optional: bool) -> tuple[str, ...] | None:
+    if value is None and optional:
+        return None
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = (value,)
+    try:
+        value = tuple(value)  # OmegaConf ListConfig, lists, tuples
+    except TypeError:
+        raise TypeError(f"Policy({name}={value!r}): expected a list of strings.") from None
+    if not all(isinstance(v, str) for v in value):
+        raise TypeError(f"Policy({name}={value!r}): expected a list of strings.")
+    return value
+
+
+def _stable_hash(name: str) -> int:
+    return zlib.crc32(name.encode()) & 0x7FFFFFFF
+
+
+class Policy(eqx.Module):
+    """Which events a spool keeps and how it reduces each key, on the accelerator.
+
+    **Arguments:**
+
+    - `reduce`: the default reduction: a name (`"stack"`, `"mean"`, `"last"`, ...) or an
+        `eqx_logs.AbstractReduction`.
+    - `interval`: keep every `interval`-th event of each key (events 0, k, 2k, ...).
+    - `window`: shorthand for `Window(window, reduce)` on every key.
+    - `tags`: None keeps all events; otherwise only events carrying one of these tags.
+    - `exclude`: drop events carrying any of these tags.
+    - `rules`: a dict from a key pattern (`fnmatch`, e.g. `"grad/*"`) to a reduction, or to
+        `"drop"` to remove matching keys; the first matching pattern wins.
+    - `prefix`: prepended to every output key.
+    - `key`: a `jax.random.key` for reductions that sample (`Sample`).
+
+    Precedence for a key's reduction: a matching rule, then the reduction named at the
+    `log(..., reduce=...)` call site, then `reduce`.
+
+    !!! example
+
+        ```python
+        policy = eqx_logs.Policy(reduce="mean", interval=10, rules={"grad/*": "max"})
+        out, logs = eqx_logs.spool(f, policy=policy)(x)
+        ```
+    """
+
+    reduce: AbstractReduction
+    interval: int = eqx.field(static=True)
+    window: int | None = eqx.field(static=True)
+    tags: tuple[str, ...] | None = eqx.field(static=True)
+    exclude: tuple[str, ...] = eqx.field(static=True)
+    rules: tuple[tuple[str, Any], ...]
+    prefix: str = eqx.field(static=True)
+    key: PRNGKeyArray | None
+
+    def __init__(
+        self,
+        reduce: str | AbstractReduction = "stack",
+        interval: int = 1,
+        window: int | None = None,
+        tags: Any = None,
+        exclude: Any = (),
+        rules: Mapping[str, Any] | None = None,
+        prefix: str = "",
+        key: PRNGKeyArray | None = None,
+    ):
+        self.reduce = as_reduction(reduce, where="Policy(reduce)")
+        self.interval = interval
+        self.window = window
+        self.tags = _strings("tags", tags, optional=True)
+        self.exclude = _strings("exclude", exclude, optional=False)
+        if rules is None:
+            rules = {}
+        if not isinstance(rules, Mapping):
+            raise TypeError(
+                f"Policy(rules={rules!r}): expected a dict from key pattern to reduction."
+            )
+        self.rules = tuple(
+            (pattern, as_reduction(r, allow_drop=True, where=f"Policy(rules[{pattern!r}])"))
+            for pattern, r in rules.items()
+        )
+        self.prefix = prefix
+        self.key = key
+
+    def __check_init__(self):
+        def positive(name, value, optional):
+            if optional and value is None:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Policy({name}={value!r}): {name} must be an int >= 1.")
+
+        positive("interval", self.interval, False)
+        positive("window", self.window, True)
+        if not isinstance(self.prefix, str):
+            raise TypeError(f"Policy(prefix={self.prefix!r}): prefix must be a string.")
+        for pattern, _ in self.rules:
+            if not isinstance(pattern, str):
+                raise TypeError(f"Policy(rules): patterns must be strings, got {pattern!r}.")
+
+    def replace(self, **changes: Any) -> "Policy":
+        """A copy with some fields changed (None leaves a field as it is)."""
+        fields = dict(
+            reduce=self.reduce,
+            interval=self.interval,
+            window=self.window,
+            tags=self.tags,
+            exclude=self.exclude,
+            rules=dict(self.rules),
+            prefix=self.prefix,
+            key=self.key,
+        )
+        fields.update({k: v for k, v in changes.items() if v is not None})
+        return Policy(**fields)
+
+    def selects(self, tags: tuple[str, ...]) -> bool:
+        """Whether an event with these tags is kept."""
+        if self.tags is not None and not set(tags) & set(self.tags):
+            return False
+        return not set(tags) & set(self.exclude)
+
+    def reduction(self, key: str, site_reduce: Any = None) -> Any:
+        """The reduction for `key` (or `"drop"`), given the one named at its call sites."""
+        for pattern, reduction in self.rules:
+            if fnmatch.fnmatchcase(key, pattern):
+                break
+        else:
+            reduction = self.reduce if site_reduce is None else as_reduction(site_reduce)
+        if isinstance(reduction, str):  # DROP
+            return DROP
+        if self.window is not None:
+            from ._buffers import Window
+
+            reduction = Window(self.window, reduction)
+        if self.key is not None:
+            reduction = reduction.with_key(jax.random.fold_in(self.key, _stable_hash(key)))
+        return reduction
