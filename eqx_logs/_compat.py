@@ -166,6 +166,20 @@ def _keep_in_loop(prim, rule, effect_type):
     return wrapped
 
 
+def wrap_batching(name: str, make_rule: Callable[[Callable], Callable]) -> None:
+    """Replace the batching rule of the primitive called `name` by `make_rule(original)`;
+    rules are called as `rule(axis_data, args, dims, **params) -> (outs, out_dims)`."""
+    for prim, rule in list(_batching.fancy_primitive_batchers.items()):
+        if prim.name == name:
+            _batching.fancy_primitive_batchers[prim] = make_rule(rule)
+            return
+    raise NotImplementedError(f"eqx_logs: no batching rule for {name!r} in this JAX version.")
+
+
+def axis_size_and_name(axis_data: Any) -> tuple[int, Any]:
+    return axis_data.size, axis_data.name
+
+
 not_mapped = None  # jax marks an unbatched operand with None (batching.NotMapped)
 
 

@@ -192,7 +192,7 @@ class Interpreter:
         items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
         steps = {
             name: jax.ShapeDtypeStruct(a.shape, a.dtype)
-            for name, a in zip(params["steps"], avals[n_leaves:])
+            for name, a in zip(params["steps"], avals[n_leaves : n_leaves + len(params["steps"])])
         }
         for key, positions in items.items():
             sub_leaves, sub_def = jtu.tree_flatten(positions)
@@ -270,6 +270,7 @@ class Interpreter:
         n_leaves = treedef.num_leaves
         items = jtu.tree_unflatten(treedef, invals[:n_leaves])
         steps = dict(zip(params["steps"], invals[n_leaves:]))
+        mask = invals[-1] if params["masked"] else True
         for key, value in items.items():
             if key not in states:
                 continue  # dropped by a rule
@@ -291,14 +292,20 @@ class Interpreter:
                     for name, s in info.steps.items()
                 },
             }
-            states[key] = self._update(key, states[key], event)
+            states[key] = self._update(key, states[key], event, mask)
 
-    def _update(self, key: str, state: dict[str, Any], event: dict[str, Any]) -> dict[str, Any]:
+    def _update(
+        self, key: str, state: dict[str, Any], event: dict[str, Any], mask: Any
+    ) -> dict[str, Any]:
+        """Fold one event into a key's state; `mask` (True, or a bool per batch lane) says
+        where the event really happened."""
         state = dict(state)
-        valid = True
+        valid = mask
         if self.policy.interval > 1:  # events 0, k, 2k, ... of this key
-            valid = state["seen"] % self.policy.interval == 0
-            state["seen"] = state["seen"] + 1
+            valid = jnp.logical_and(state["seen"] % self.policy.interval == 0, mask)
+            state["seen"] = state["seen"] + jnp.asarray(mask, jnp.int32)
+        if valid is not True:
+            valid = jnp.broadcast_to(valid, self.info[key].batch_shape())
         state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
         nbatch = self.info[key].nbatch
         for channel, reduction in self._channels[key].items():

@@ -1,10 +1,13 @@
 """The `log` primitive and the user-facing functions that bind it: `log`, `log_grad`, `scope`.
 
 One call to `log` binds `log_p` once. Its operands are the value leaves of every key, then the
-step scalars; its parameters say how to rebuild them (`treedef`, `steps`) and carry the call's
-`tags`, `reduce`, `site` (where it was called, for error messages) and `nbatch` (how many
-leading axes vmap added). It has no outputs and an effect of its own, so it survives DCE, AD,
-remat and control flow until a spool or tap interprets it.
+step scalars, then (if `masked`) a boolean validity mask; its parameters say how to rebuild
+them (`treedef`, `steps`) and carry the call's `tags`, `reduce`, `site` (where it was called,
+for error messages) and `nbatch` (how many leading axes vmap added). The mask is added by
+`_masking.py` when vmap turns a cond or while loop with a batched predicate into code that runs
+every branch or iteration for every lane: it marks the lanes where the event really happens.
+`log_p` has no outputs and an effect of its own, so it survives DCE, AD, remat and control
+flow until a spool or tap interprets it.
 """
 
 import contextlib
@@ -311,7 +314,14 @@ def bind(
     names = tuple(sorted(steps))
     operands = [jnp.asarray(x) for x in leaves] + [jnp.asarray(steps[n]) for n in names]
     log_p.bind(
-        *operands, treedef=treedef, steps=names, tags=tags, reduce=reduce, site=site, nbatch=0
+        *operands,
+        treedef=treedef,
+        steps=names,
+        tags=tags,
+        reduce=reduce,
+        site=site,
+        nbatch=0,
+        masked=False,
     )
 
 

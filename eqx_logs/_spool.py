@@ -9,6 +9,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
+from . import _masking  # noqa: F401  (registers the batching rules for masked events)
 from ._interpret import Interpreter
 from ._logdict import LogDict
 from ._policy import Policy

@@ -1,0 +1,133 @@
+"""Per-lane events under vmap when a cond or while loop gets a batched predicate.
+
+`vmap` turns `lax.cond` with a batched predicate into code that runs every branch for every
+lane and selects the results, and runs a `while_loop`'s body for every lane until all lanes
+are done. Logs inside would then fire for untaken branches and finished lanes (the bug of
+oryx, logify and checkify). For conds and while loops that contain logs, eqx_logs replaces
+JAX's batching rules with ones that do the same thing while giving every log a validity mask:
+the lanes where its branch is taken, or where the loop is still running.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import _compat
+from ._interpret import Interpreter
+from ._policy import Policy
+from ._primitive import log_effect, log_p
+from ._rules import RULES
+
+
+class _MaskInterpreter(Interpreter):
+    """Re-evaluates a jaxpr, adding `mask` to every log (through nested control flow)."""
+
+    def __init__(self, mask: Any):
+        super().__init__(Policy(), RULES)
+        self.mask = mask
+        self._reductions = {}  # no states to thread
+
+    def _event(self, eqn, invals, states):
+        params = dict(eqn.params)
+        if params["masked"]:
+            *invals, mask = invals
+            mask = jnp.logical_and(mask, self.mask)
+        else:
+            mask = self.mask
+        params["masked"] = True
+        log_p.bind(*invals, jnp.asarray(mask, bool), **params)
+
+
+def masked_eval(closed: Any, args: Sequence[Any], mask: Any) -> list[Any]:
+    """Evaluate `closed` on `args` with every log inside masked by `mask`."""
+    outs, _ = _MaskInterpreter(mask).eval(closed, args, {})
+    return outs
+
+
+def _has_log(*closed: Any) -> bool:
+    return any(log_effect in _compat.unpack(c)[0].effects for c in closed)
+
+
+def _cond_batching(original):
+    def rule(axis_data, args, dims, *, branches, **params):
+        index_dim = dims[0]
+        if index_dim is None or not _has_log(*branches):
+            return original(axis_data, args, dims, branches=branches, **params)
+        size, name = _compat.axis_size_and_name(axis_data)
+
+        def branch_outputs(i, branch):
+            def lane(index, *ops):
+                return masked_eval(branch, ops, index == i)
+
+            return jax.vmap(lane, in_axes=tuple(dims), axis_size=size, axis_name=name)(*args)
+
+        outputs = [branch_outputs(i, b) for i, b in enumerate(branches)]
+        index = jnp.moveaxis(args[0], index_dim, 0)
+
+        def select(index, *values):
+            return lax.select_n(index, *values)
+
+        results = [
+            jax.vmap(select)(index, *(out[j] for out in outputs)) for j in range(len(outputs[0]))
+        ]
+        return results, [0] * len(results)
+
+    return rule
+
+
+def _while_batching(original):
+    def rule(axis_data, args, dims, *, cond_nconsts, cond_jaxpr, body_nconsts, body_jaxpr):
+        params = dict(
+            cond_nconsts=cond_nconsts,
+            cond_jaxpr=cond_jaxpr,
+            body_nconsts=body_nconsts,
+            body_jaxpr=body_jaxpr,
+        )
+        if not _has_log(cond_jaxpr, body_jaxpr):
+            return original(axis_data, args, dims, **params)
+        size, name = _compat.axis_size_and_name(axis_data)
+        cdims = tuple(dims[:cond_nconsts])
+        bdims = tuple(dims[cond_nconsts : cond_nconsts + body_nconsts])
+        cconsts = args[:cond_nconsts]
+        bconsts = args[cond_nconsts : cond_nconsts + body_nconsts]
+        init = [
+            jnp.broadcast_to(x, (size, *jnp.shape(x))) if d is None else jnp.moveaxis(x, d, 0)
+            for x, d in zip(
+                args[cond_nconsts + body_nconsts :], dims[cond_nconsts + body_nconsts :]
+            )
+        ]
+
+        def vmapped(f, const_dims):
+            return jax.vmap(f, in_axes=(0, const_dims, 0), axis_size=size, axis_name=name)
+
+        def test(running, consts, values):
+            (pred,) = masked_eval(cond_jaxpr, [*consts, *values], running)
+            return pred
+
+        def advance(running, consts, values):
+            return masked_eval(body_jaxpr, [*consts, *values], running)
+
+        # Each lane tests once, then (body, test) while its predicate holds.
+        running = vmapped(test, cdims)(jnp.ones((size,), bool), cconsts, init)
+
+        def loop_body(carry):
+            values, running = carry
+            new = vmapped(advance, bdims)(running, bconsts, values)
+            values = [
+                jnp.where(running.reshape((size,) + (1,) * (jnp.ndim(n) - 1)), n, v)
+                for n, v in zip(new, values)
+            ]
+            running = jnp.logical_and(running, vmapped(test, cdims)(running, cconsts, values))
+            return values, running
+
+        values, _ = lax.while_loop(lambda c: jnp.any(c[1]), loop_body, (init, running))
+        return values, [0] * len(values)
+
+    return rule
+
+
+_compat.wrap_batching(_compat.COND, _cond_batching)
+_compat.wrap_batching(_compat.WHILE, _while_batching)
