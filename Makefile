@@ -33,6 +33,7 @@ test312: .venv312/.installed
 
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_core.py
+	.venv/bin/python benchmarks/bench_reductions.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks
