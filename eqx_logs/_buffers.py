@@ -200,9 +200,39 @@ class Sample(AbstractReduction):
         }
 
     def merge(self, a, b):
-        raise NotImplementedError(
-            "Sample.merge: combining two reservoirs into one uniform sample is not supported."
-        )
+        # A uniform k-sample of the union: how many come from a is hypergeometric; those are
+        # a uniformly random subset of a's reservoir (itself uniform over a's events), and
+        # likewise for b.
+        na, nb = a["seen"], b["seen"]
+        key = jax.random.fold_in(jax.random.fold_in(self.key, na), nb + 2**30)
+        k_count, k_a, k_b = jax.random.split(key, 3)
+        draws = jnp.minimum(na + nb, self.k)
+        uniforms = jax.random.uniform(k_count, (self.k,))
+
+        def draw(i, taken):
+            p = (na - taken) / jnp.maximum(na + nb - i, 1)
+            return taken + jnp.logical_and(i < draws, uniforms[i] < p).astype(jnp.int32)
+
+        from_a = jax.lax.fori_loop(0, self.k, draw, jnp.zeros((), jnp.int32))
+
+        def shuffled(key, filled):  # a random order of the filled slots, filled slots first
+            noise = jax.random.uniform(key, (self.k,))
+            return jnp.argsort(jnp.where(jnp.arange(self.k) < filled, noise, 2.0))
+
+        order_a = shuffled(k_a, a["stack"]["index"])
+        order_b = shuffled(k_b, b["stack"]["index"])
+        slots = jnp.arange(self.k)
+        take_a = slots < from_a
+        index_b = order_b[jnp.clip(slots - from_a, 0, self.k - 1)]
+
+        def combine(buf_a, buf_b):
+            shape = (self.k,) + (1,) * (buf_a.ndim - 1)
+            picked = jnp.where(take_a.reshape(shape), buf_a[order_a], buf_b[index_b])
+            fill = jnp.full_like(buf_a, jnp.nan if jnp.issubdtype(buf_a.dtype, jnp.inexact) else 0)
+            return jnp.where((slots < draws).reshape(shape), picked, fill)
+
+        buffer = jtu.tree_map(combine, a["stack"]["buffer"], b["stack"]["buffer"])
+        return {"stack": {"buffer": buffer, "index": draws}, "seen": na + nb}
 
     def finalize(self, state):
         return state["stack"]["buffer"]
@@ -277,7 +307,14 @@ class Window(AbstractReduction):
         }
 
     def merge(self, a, b):
-        raise NotImplementedError("Window.merge is not supported.")
+        """The windows of `a` (its last, partial window closed), then those of `b`."""
+        stack = Stack(capacity=jtu.tree_leaves(a["windows"]["buffer"])[0].shape[0])
+        closed = stack.update(a["windows"], self.inner.finalize(a["current"]), a["position"] > 0)
+        return {
+            "current": b["current"],
+            "position": b["position"],
+            "windows": stack.merge(closed, b["windows"]),
+        }
 
     def finalize(self, state):
         stack = Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
