@@ -335,34 +335,35 @@ class Fanout(AbstractReduction):
         ```
     """
 
-    reductions: dict[str, AbstractReduction]
+    reductions: tuple[tuple[str, AbstractReduction], ...]
 
     def __init__(self, **named: Any):
         from ._policy import as_reduction
 
         if not named:
             raise ValueError("Fanout needs at least one named reduction, e.g. Fanout(mean='mean').")
-        self.reductions = {name: as_reduction(r) for name, r in named.items()}
+        # A tuple, not a dict: hashable (a call site may name it) and ordered.
+        self.reductions = tuple((name, as_reduction(r)) for name, r in named.items())
 
     def with_key(self, key):
         return Fanout(
             **{
                 n: r.with_key(jax.random.fold_in(key, i))
-                for i, (n, r) in enumerate(self.reductions.items())
+                for i, (n, r) in enumerate(self.reductions)
             }
         )
 
     def init(self, struct, max_events):
-        return {n: r.init(struct, max_events) for n, r in self.reductions.items()}
+        return {n: r.init(struct, max_events) for n, r in self.reductions}
 
     def update(self, state, value, valid):
-        return {n: r.update(state[n], value, valid) for n, r in self.reductions.items()}
+        return {n: r.update(state[n], value, valid) for n, r in self.reductions}
 
     def merge(self, a, b):
-        return {n: r.merge(a[n], b[n]) for n, r in self.reductions.items()}
+        return {n: r.merge(a[n], b[n]) for n, r in self.reductions}
 
     def finalize(self, state):
-        return {n: r.finalize(state[n]) for n, r in self.reductions.items()}
+        return {n: r.finalize(state[n]) for n, r in self.reductions}
 
     def place_batch_axes(self, output, nbatch):
-        return {n: r.place_batch_axes(output[n], nbatch) for n, r in self.reductions.items()}
+        return {n: r.place_batch_axes(output[n], nbatch) for n, r in self.reductions}

@@ -44,7 +44,7 @@ class _KeyInfo:
     steps: dict[str, jax.ShapeDtypeStruct]
     sites: list[str]
     nbatch: int
-    reduce: dict[str, Any]  # call site -> the reduction it names
+    reduce: list[tuple[str, Any]]  # (call site, the reduction it names), every site seen
 
     def batch_shape(self) -> tuple[int, ...]:
         return self.leaves[0].shape[: self.nbatch]
@@ -55,14 +55,14 @@ class _KeyInfo:
         return jtu.tree_unflatten(self.treedef, leaves)
 
     def site_reduce(self, key: str) -> Any:
-        named = {site: r for site, r in self.reduce.items() if r is not None}
-        if len({_reduce_id(r) for r in named.values()}) > 1:
-            detail = "; ".join(f"{r!r} at {site}" for site, r in named.items())
+        named = [(site, r) for site, r in self.reduce if r is not None]
+        if len({_reduce_id(r) for _, r in named}) > 1:
+            detail = "; ".join(dict.fromkeys(f"{r!r} at {site}" for site, r in named))
             raise ValueError(
                 f"eqx_logs: key {key!r} is logged with different reductions ({detail}). Name "
                 "one reduction per key, or set it once with a Policy rule."
             )
-        return next(iter(named.values()), None)
+        return named[0][1] if named else None
 
 
 def _reduce_id(reduce: Any) -> Any:
@@ -207,7 +207,7 @@ class Interpreter:
                     steps=dict(steps),
                     sites=[site],
                     nbatch=params["nbatch"],
-                    reduce={site: params["reduce"]},
+                    reduce=[(site, params["reduce"])],
                 )
                 continue
             if info.treedef != sub_def:
@@ -227,7 +227,7 @@ class Interpreter:
                     )
                 info.steps.setdefault(name, s)
             info.sites.append(site)
-            info.reduce.setdefault(site, params["reduce"])
+            info.reduce.append((site, params["reduce"]))
         return list(items)
 
     # -- second pass --------------------------------------------------------------------

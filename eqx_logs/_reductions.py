@@ -190,12 +190,13 @@ class Mean(AbstractReduction):
 
     def update(self, state, value, valid):
         count = state["count"] + _count(valid)
-        scale = jnp.where(valid, 1.0 / jnp.maximum(count, 1), 0.0)
+        scale = 1.0 / jnp.maximum(count, 1)
 
         def step(m, v):
             return m + (scale * (v - m)).astype(m.dtype)
 
-        return {"mean": jtu.tree_map(step, state["mean"], value), "count": count}
+        mean = _select(valid, jtu.tree_map(step, state["mean"], value), state["mean"])
+        return {"mean": mean, "count": count}
 
     def merge(self, a, b):
         count = a["count"] + b["count"]
@@ -233,7 +234,7 @@ class _Extremum(AbstractReduction):
 
     def finalize(self, state):
         def out(v):
-            return jnp.where(state["count"] > 0, v, _nan_or_zero(v.dtype))
+            return jnp.where(state["count"] > 0, v, jnp.asarray(_nan_or_zero(v.dtype), v.dtype))
 
         return jtu.tree_map(out, state["value"])
 
@@ -271,19 +272,16 @@ class Var(AbstractReduction):
 
     def update(self, state, value, valid):
         count = state["count"] + _count(valid)
-        scale = jnp.where(valid, 1.0 / jnp.maximum(count, 1), 0.0)
-
+        scale = 1.0 / jnp.maximum(count, 1)
         delta = jtu.tree_map(lambda m, v: v - m, state["mean"], value)
         mean = jtu.tree_map(lambda m, d: m + (scale * d).astype(m.dtype), state["mean"], delta)
 
         def m2(m2, d, v, m):
-            return m2 + jnp.where(valid, d * (v - m), 0).astype(m2.dtype)
+            return m2 + (d * (v - m)).astype(m2.dtype)
 
-        return {
-            "mean": mean,
-            "m2": jtu.tree_map(m2, state["m2"], delta, value, mean),
-            "count": count,
-        }
+        new = {"mean": mean, "m2": jtu.tree_map(m2, state["m2"], delta, value, mean)}
+        old = {"mean": state["mean"], "m2": state["m2"]}
+        return {**_select(valid, new, old), "count": count}
 
     def merge(self, a, b):
         na, nb = a["count"], b["count"]
@@ -337,10 +335,10 @@ class EMA(AbstractReduction):
         return {"total": total, "weight": jnp.zeros((), jnp.float32)}
 
     def update(self, state, value, valid):
-        d = jnp.where(valid, self.decay, 1.0)
-        c = jnp.where(valid, 1.0 - self.decay, 0.0)
+        d, c = self.decay, 1.0 - self.decay
         total = jtu.tree_map(lambda t, v: (d * t + c * v).astype(t.dtype), state["total"], value)
-        return {"total": total, "weight": d * state["weight"] + c}
+        new = {"total": total, "weight": (d * state["weight"] + c).astype(jnp.float32)}
+        return _select(valid, new, state)
 
     def merge(self, a, b):
         carry = 1.0 - b["weight"]  # decay ** (number of events in b)
@@ -375,12 +373,19 @@ class Histogram(AbstractReduction):
     def update(self, state, value, valid):
         lo, hi = self.range
 
+        edges = jnp.linspace(lo, hi, self.bins + 1, dtype=jnp.float32)
+
         def add(counts, v):
             v = jnp.ravel(v).astype(jnp.float32)
             inside = jnp.logical_and(v >= lo, v <= hi)
-            index = jnp.clip(jnp.floor((v - lo) / (hi - lo) * self.bins), 0, self.bins - 1)
+            guess = jnp.floor((jnp.where(inside, v, lo) - lo) / (hi - lo) * self.bins)
+            index = jnp.clip(guess.astype(jnp.int32), 0, self.bins - 1)
+            # As numpy: correct the guess against the edges themselves.
+            index = index - (v < edges[index]).astype(jnp.int32)
+            upper = jnp.logical_and(v >= edges[index + 1], index != self.bins - 1)
+            index = jnp.clip(index + upper.astype(jnp.int32), 0, self.bins - 1)
             weight = jnp.logical_and(inside, valid).astype(jnp.int32)
-            return counts.at[index.astype(jnp.int32)].add(weight)
+            return counts.at[index].add(weight)
 
         return jtu.tree_map(add, state, value)
 

@@ -36,3 +36,20 @@ def assert_close(got, want, what: str = "output") -> None:
     np.testing.assert_allclose(
         np.asarray(got), np.asarray(want), rtol=RTOL, atol=ATOL, err_msg=what
     )
+
+
+def assert_tree_allclose(got, want, *, rtol=RTOL, atol=ATOL, what: str = "output") -> None:
+    """`got` matches `want` leaf by leaf (dicts recurse): same shape and dtype, close values,
+    NaN where `want` has NaN; integer leaves exactly."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and set(got) == set(want), f"{what}: keys {list(got)}"
+        for k in want:
+            assert_tree_allclose(got[k], want[k], rtol=rtol, atol=atol, what=f"{what}[{k!r}]")
+        return
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    if np.issubdtype(want.dtype, np.inexact):
+        np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=what)
