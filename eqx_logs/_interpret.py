@@ -338,11 +338,12 @@ class Interpreter:
                 }
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states)
-        values, count, steps = {}, {}, {}
+        values, count, steps, names = {}, {}, {}, {}
         for key, state in states.items():
             name = self.policy.prefix + key
             nbatch = self.info[key].nbatch
             count[name] = state["count"]
+            names[name] = type(self._reductions[key]).__name__
             for channel, reduction in self._channels[key].items():
                 out = _vmap(reduction.finalize, nbatch)(state[channel])
                 out = reduction.place_batch_axes(out, nbatch)
@@ -350,7 +351,7 @@ class Interpreter:
                     values[name] = out
                 else:
                     steps.setdefault(channel.removeprefix("step:"), {})[name] = out
-        return outs, LogDict(values, count=count, steps=steps)
+        return outs, LogDict(values, count=count, steps=steps, reductions=names)
 
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]

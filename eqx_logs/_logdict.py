@@ -18,7 +18,7 @@ class LogDict(dict):
     through `jax.jit` and `eqx.filter_jit` as an output.
     """
 
-    __slots__ = ("_count", "_steps")
+    __slots__ = ("_count", "_steps", "_reductions")
 
     def __init__(
         self,
@@ -26,15 +26,22 @@ class LogDict(dict):
         *,
         count: Mapping[str, Any] | None = None,
         steps: Mapping[str, Mapping[str, Any]] | None = None,
+        reductions: Mapping[str, str] | None = None,
     ):
         super().__init__(values)
         self._count = dict(count or {})
+        self._reductions = dict(reductions or {})
         # step name -> {key -> stacked step values}
         self._steps = {name: dict(per_key) for name, per_key in (steps or {}).items()}
 
     @property
     def count(self) -> dict[str, Any]:
         return self._count
+
+    @property
+    def reductions(self) -> dict[str, str]:
+        """The name of the reduction class that produced each key (`"Stack"`, `"Mean"`, ...)."""
+        return self._reductions
 
     @property
     def steps(self) -> dict[str, dict[str, Any]]:
@@ -59,14 +66,16 @@ class LogDict(dict):
         children += [(jtu.GetAttrKey(f"count[{k!r}]"), self._count[k]) for k in keys]
         for name, per_key in step_names:
             children += [(jtu.GetAttrKey(f"{name}[{k!r}]"), self._steps[name][k]) for k in per_key]
-        return children, (keys, step_names)
+        reductions = tuple(self._reductions.get(k) for k in keys)
+        return children, (keys, step_names, reductions)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, step_names = aux
+        keys, step_names, reductions = aux
         n = len(keys)
         values = dict(zip(keys, children[:n]))
         count = dict(zip(keys, children[n : 2 * n]))
         rest = iter(children[2 * n :])
         steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
-        return cls(values, count=count, steps=steps)
+        named = {k: r for k, r in zip(keys, reductions) if r is not None}
+        return cls(values, count=count, steps=steps, reductions=named)
