@@ -1,5 +1,5 @@
 # Two commands for a fresh machine:
-#   make demo   runs the main example
+#   make demo   runs the main example (examples/train.py, Hydra; outputs/ holds its runs)
 #   make test   runs the test suite
 # Each creates its own virtual environment (.venv, Python 3.11 / newest JAX there) and installs
 # what it needs. `make test312` runs the suite under Python 3.12 and JAX 0.12 (.venv312).
@@ -23,7 +23,7 @@ PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --versi
 	touch $@
 
 demo: .venv/.installed
-	.venv/bin/python examples/quickstart.py
+	.venv/bin/python examples/train.py
 
 test: .venv/.installed
 	.venv/bin/python -m pytest -q

@@ -1,0 +1,126 @@
+"""Hydra structured configs for policies and loggers, registered in Hydra's ConfigStore.
+
+Importing this module registers, in the ConfigStore:
+
+- group `logging`, name `base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy`
+  into an `eqx_logs.Policy`;
+- group `logger`, names `console_base` and `jsonl_base`: `ConsoleLoggerConfig`,
+  `JsonlLoggerConfig`.
+
+YAML files extend them (`defaults: [base, _self_]`), and `hydra.utils.instantiate(cfg.logging)`
+returns a Policy, `instantiate(cfg.logger)` a logger. Reductions are names (`reduce: mean`) or
+nested `_target_` nodes (`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from ._policy import Policy, as_reduction
+
+
+@dataclass
+class PolicyConfig:
+    _target_: str = "eqx_logs.config.policy"
+    reduce: Any = "stack"
+    interval: int = 1
+    window: int | None = None
+    tags: list[str] | None = None
+    exclude: list[str] = field(default_factory=list)
+    rules: dict[str, Any] = field(default_factory=dict)
+    prefix: str = ""
+    seed: int | None = None
+    config_key: str = "logging"
+
+
+@dataclass
+class ConsoleLoggerConfig:
+    _target_: str = "eqx_logs.loggers.ConsoleLogger"
+    last_only: bool = True
+
+
+@dataclass
+class JsonlLoggerConfig:
+    _target_: str = "eqx_logs.loggers.JsonlLogger"
+    path: str = "logs.jsonl"
+
+
+def _plain(x: Any) -> Any:
+    if isinstance(x, DictConfig | ListConfig):
+        return OmegaConf.to_container(x, resolve=True)
+    return x
+
+
+def policy(
+    reduce: Any = "stack",
+    interval: int = 1,
+    window: int | None = None,
+    tags: Any = None,
+    exclude: Any = (),
+    rules: Any = None,
+    prefix: str = "",
+    seed: int | None = None,
+    config_key: str = "logging",
+) -> Policy:
+    """An `eqx_logs.Policy` from config values (OmegaConf lists become tuples). A bad value
+    raises a `ValueError` naming the config key and the value, e.g. `logging.interval=0`.
+
+    **Arguments:** as `eqx_logs.Policy`, except `seed` (an int; the policy's `key` is
+    `jax.random.key(seed)`), and `config_key`, the name used in error messages.
+    """
+
+    def bad(name: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"{config_key}.{name}={value!r}: {why}")
+
+    for name, value, optional in (("interval", interval, False), ("window", window, True)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise bad(name, value, "must be an integer >= 1")
+    try:
+        reduce = as_reduction(_plain(reduce), where="reduce")
+    except ValueError as e:
+        raise bad("reduce", reduce, str(e).split(": ", 1)[-1]) from None
+    rules = _plain(rules) or {}
+    if not isinstance(rules, dict):
+        raise bad("rules", rules, "must be a mapping from key pattern to reduction")
+    for pattern, value in rules.items():
+        try:
+            as_reduction(value, allow_drop=True)
+        except ValueError:
+            raise bad(
+                f"rules.{pattern}", value, "not a reduction name, a reduction, or 'drop'"
+            ) from None
+    tags, exclude = _plain(tags), _plain(exclude)
+    for name, value in (("tags", tags), ("exclude", exclude)):
+        if value is not None and not (
+            isinstance(value, list | tuple) and all(isinstance(t, str) for t in value)
+        ):
+            raise bad(name, value, "must be a list of strings")
+    key = None
+    if seed is not None:
+        import jax
+
+        key = jax.random.key(seed)
+    return Policy(
+        reduce=reduce,
+        interval=interval,
+        window=window,
+        tags=None if tags is None else tuple(tags),
+        exclude=tuple(exclude or ()),
+        rules=rules,
+        prefix=prefix,
+        key=key,
+    )
+
+
+def register_configs() -> None:
+    cs = ConfigStore.instance()
+    cs.store(group="logging", name="base", node=PolicyConfig)
+    cs.store(group="logger", name="console_base", node=ConsoleLoggerConfig)
+    cs.store(group="logger", name="jsonl_base", node=JsonlLoggerConfig)
+
+
+register_configs()
