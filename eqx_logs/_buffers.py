@@ -238,6 +238,11 @@ class Sample(AbstractReduction):
         return state["stack"]["buffer"]
 
 
+def _windows_stack(state: dict) -> Stack:
+    """The Stack that holds a Window's finished windows (its capacity is the buffer's)."""
+    return Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+
+
 class Window(AbstractReduction):
     """Reduces each run of `size` consecutive events with `inner` and stacks the results:
     "the mean loss over every 100 steps". A last, partial window is included.
@@ -294,7 +299,7 @@ class Window(AbstractReduction):
         current = self.inner.update(state["current"], value, valid)
         position = state["position"] + jnp.asarray(valid, jnp.int32)
         done = position == self.size
-        stack = Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+        stack = _windows_stack(state)
         windows = stack.update(state["windows"], self.inner.finalize(current), done)
         struct = jtu.tree_map(
             lambda v: jax.ShapeDtypeStruct(jnp.shape(v), jnp.result_type(v)), value
@@ -308,7 +313,7 @@ class Window(AbstractReduction):
 
     def merge(self, a, b):
         """The windows of `a` (its last, partial window closed), then those of `b`."""
-        stack = Stack(capacity=jtu.tree_leaves(a["windows"]["buffer"])[0].shape[0])
+        stack = _windows_stack(a)
         closed = stack.update(a["windows"], self.inner.finalize(a["current"]), a["position"] > 0)
         return {
             "current": b["current"],
@@ -317,7 +322,7 @@ class Window(AbstractReduction):
         }
 
     def finalize(self, state):
-        stack = Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+        stack = _windows_stack(state)
         windows = stack.update(
             state["windows"], self.inner.finalize(state["current"]), state["position"] > 0
         )
