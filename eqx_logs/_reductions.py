@@ -137,10 +137,7 @@ class First(AbstractReduction):
         }
 
     def merge(self, a, b):
-        return {
-            "value": _select(a["count"] > 0, a["value"], b["value"]),
-            "count": a["count"] + b["count"],
-        }
+        return Last().merge(b, a)  # a's first event, if it had one
 
     def finalize(self, state):
         return state["value"]
