@@ -25,5 +25,6 @@ from ._reductions import (
     Var as Var,
 )
 from ._spool import nolog as nolog, spool as spool
+from ._tap import tap as tap
 
 __version__ = "0.1.0"

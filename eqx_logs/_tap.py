@@ -1,0 +1,171 @@
+"""`tap`: stream log events to a host callback as they happen."""
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+
+from . import _compat
+from ._interpret import Interpreter
+from ._policy import Policy
+from ._primitive import current_prefix, tracing_context
+from ._rules import RULES
+
+_T = TypeVar("_T")
+
+
+def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
+    """The default tap callback: one line per event, `key=value ... step=...`."""
+
+    def fmt(x):
+        a = np.asarray(x)
+        return np.array2string(a, precision=4) if a.ndim else f"{a.item():.6g}"
+
+    parts = [f"{k}={fmt(v)}" for k, v in logs.items()] + [f"{k}={v}" for k, v in steps.items()]
+    print("  ".join(parts), flush=True)
+
+
+class _TapInterpreter(Interpreter):
+    """Evaluates a jaxpr, turning each selected log event into an ordered host callback,
+    gated on the device by the policy's interval (a per-key event counter is threaded)."""
+
+    def __init__(self, policy: Policy, callback: Callable):
+        super().__init__(policy, RULES)
+        self.callback = callback
+
+    def run(self, closed: Any, args: Any) -> list[Any]:
+        counts = self.count(closed)
+        self._reductions = {
+            k: None for k in counts if not isinstance(self.policy.reduction(k), str)
+        }
+        states = {k: jnp.zeros((), jnp.int32) for k in self._reductions}
+        outs, _ = self.eval(closed, args, states)
+        return outs
+
+    def _event(self, eqn, invals, states):
+        params = eqn.params
+        if not self.policy.selects(params["tags"]):
+            if _compat.logging_enabled.value:
+                _compat.bind_eqn(eqn, invals)  # not ours: an enclosing spool or tap sees it
+            return
+        n_leaves = params["treedef"].num_leaves
+        items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
+        steps = dict(zip(params["steps"], invals[n_leaves:]))
+        keys = [k for k in items if k in states]
+        if not keys:
+            return
+        mask = invals[-1] if params["masked"] else None
+        happened = jnp.bool_(True) if mask is None else jnp.any(mask)
+        interval = self.policy.interval
+        wanted = {k: jnp.logical_and(happened, states[k] % interval == 0) for k in keys}
+        for k in keys:
+            states[k] = states[k] + happened.astype(jnp.int32)
+        values = {k: items[k] for k in keys}
+        prefix, callback = self.policy.prefix, self.callback
+
+        def host(values, steps, wanted, mask):
+            values, steps = jax.tree.map(np.asarray, (values, steps))
+            if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
+                mask = np.asarray(mask)
+                steps = {**steps, "valid": mask}
+
+                def hide(v):
+                    if not np.issubdtype(v.dtype, np.inexact):
+                        return v
+                    m = mask.reshape(mask.shape + (1,) * (v.ndim - mask.ndim))
+                    return np.where(m, v, np.nan)
+
+                values = jax.tree.map(hide, values)
+            logs = {prefix + k: v for k, v in values.items() if bool(wanted[k])}
+            if logs:
+                callback(logs, steps)
+
+        def emit():
+            jax.debug.callback(host, values, steps, wanted, mask, ordered=True)
+
+        lax.cond(functools.reduce(jnp.logical_or, wanted.values()), emit, lambda: None)
+
+
+def tap(
+    fun: Callable[..., _T] | None = None,
+    /,
+    *,
+    callback: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+    policy: Policy | None = None,
+    interval: int | None = None,
+    tags: Any = None,
+    exclude: Any = None,
+    prefix: str | None = None,
+) -> Callable[..., _T]:
+    """Stream every `eqx_logs.log` event of `fun` to `callback(logs, steps)` on the host, in
+    execution order, as it happens (inside jit, scan, while, cond).
+
+    **Arguments:**
+
+    - `fun`: the function; `tap` also works bare or with options only, like `spool`.
+    - `callback`: called with `logs` (a dict from key to the event's numpy value) and `steps`
+        (the step values of the call). Default: print a line per event. Under `vmap` it is
+        called once per event with the batched values; where a batched `cond` or `while`
+        predicate means the event did not happen in some lanes, `steps["valid"]` is the lane
+        mask and those lanes' inexact values are NaN.
+    - `policy`, `interval`, `tags`, `exclude`, `prefix`: as for `spool`. `interval=k` is
+        applied on the device: the host is called only for events 0, k, 2k, ... of each key.
+
+    **Returns:**
+
+    A function with the signature and output of `fun`. Call `jax.effects_barrier()` to wait
+    for all callbacks.
+
+    !!! example
+
+        ```python
+        def f(xs):
+            def step(c, x):
+                eqx_logs.log("x", x, step=c)
+                return c + 1, None
+            return jax.lax.scan(step, 0, xs)[0]
+
+        eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
+        ```
+    """
+    if policy is None:
+        policy = Policy()
+    policy = policy.replace(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+    if fun is None:
+        return functools.partial(tap, callback=callback, policy=policy)
+    if not callable(fun):
+        raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
+    callback = print_callback if callback is None else callback
+
+    @functools.wraps(fun)
+    def tapped(*args, **kwargs):
+        return _tap_call(fun, policy, callback, current_prefix(), args, kwargs)
+
+    return tapped
+
+
+@eqx.filter_jit
+def _tap_call(fun, policy, callback, scope, args, kwargs):
+    del scope  # part of the cache key only
+    dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
+    flat, treedef = jtu.tree_flatten(dynamic)
+    out_structure = []
+
+    def flat_fun(*flat_args):
+        f, a, k = eqx.combine(jtu.tree_unflatten(treedef, flat_args), static)
+        out_dynamic, out_static = eqx.partition(f(*a, **k), eqx.is_array)
+        leaves, out_def = jtu.tree_flatten(out_dynamic)
+        out_structure.append((out_def, out_static))
+        return leaves
+
+    with tracing_context(enabled=True):
+        closed = jax.make_jaxpr(flat_fun)(*flat)
+    outs = _TapInterpreter(policy, callback).run(closed, flat)
+    out_def, out_static = out_structure[-1]
+    return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)

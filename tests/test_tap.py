@@ -1,0 +1,134 @@
+"""tap: events streamed to the host in execution order, gated on the device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import eqx_logs as el
+
+
+class Recorder:
+    def __init__(self):
+        self.events = []
+
+    def __call__(self, logs, steps):
+        self.events.append(({k: np.asarray(v) for k, v in logs.items()}, dict(steps)))
+
+    def flat(self):
+        jax.effects_barrier()
+        return [(k, float(np.ravel(v)[0])) for logs, _ in self.events for k, v in logs.items()]
+
+
+def _program(xs):
+    def step(c, x):
+        el.log("x", x, step=c)
+        lax.cond(x > 2, lambda: el.log("big", x), lambda: None)
+        return c + 1, None
+
+    c = lax.scan(step, 0, xs)[0]
+
+    def body(i):
+        el.log("w", i * 1.0)
+        return i + 1
+
+    lax.while_loop(lambda i: i < 2, body, 0)
+    return c
+
+
+def _reference(xs, interval=1):
+    out, seen = [], {}
+    for x in xs:
+        for key, happens in (("x", True), ("big", x > 2)):
+            if happens:
+                if seen.get(key, 0) % interval == 0:
+                    out.append((key, float(x)))
+                seen[key] = seen.get(key, 0) + 1
+    for i in range(2):
+        if seen.get("w", 0) % interval == 0:
+            out.append(("w", float(i)))
+        seen["w"] = seen.get("w", 0) + 1
+    return out
+
+
+def test_events_in_execution_order_through_scan_cond_while():
+    rec = Recorder()
+    xs = np.arange(5.0, dtype=np.float32)
+    out = el.tap(_program, callback=rec)(jnp.asarray(xs))
+    assert int(out) == 5
+    assert rec.flat() == _reference(xs)
+    steps = [s["step"] for logs, s in rec.events if "x" in logs]
+    assert [int(s) for s in steps] == [0, 1, 2, 3, 4]
+
+
+def test_interval_gates_on_device_per_key():
+    rec = Recorder()
+    xs = np.arange(7.0, dtype=np.float32)
+    el.tap(_program, callback=rec, interval=3)(jnp.asarray(xs))
+    assert rec.flat() == _reference(xs, interval=3)
+    # the host is not called for skipped events: the callback count is the kept count
+    assert len(rec.events) == len(_reference(xs, interval=3))
+
+
+def test_jit_called_repeatedly_fires_once_per_call():
+    rec = Recorder()
+    f = jax.jit(_program)
+    tapped = el.tap(f, callback=rec)
+    xs = jnp.arange(3.0)
+    for _ in range(3):
+        tapped(xs)
+    assert rec.flat() == _reference(np.arange(3.0)) * 3
+    assert int(f(xs)) == 3  # the jitted function is untouched
+
+
+def test_grad_and_checkpoint_fire_each_event_once():
+    def loss(w):
+        def step(c, x):
+            el.log("c", c)
+            return jnp.sin(c * w + x), None
+
+        return lax.scan(jax.checkpoint(step), 0.5, jnp.arange(3.0))[0]
+
+    rec = Recorder()
+    el.tap(jax.grad(loss), callback=rec)(jnp.float32(1.0))
+    c = [0.5]
+    for x in range(2):
+        c.append(float(np.sin(c[-1] + x)))
+    got = rec.flat()
+    assert [k for k, _ in got] == ["c"] * 3
+    np.testing.assert_allclose([v for _, v in got], c, rtol=1e-5)
+
+
+def test_vmap_calls_once_per_event_with_batched_values_and_mask():
+    rec = Recorder()
+    el.tap(jax.vmap(_program), callback=rec)(jnp.arange(6.0).reshape(2, 3))
+    jax.effects_barrier()
+    xs = [logs["x"] for logs, _ in rec.events if "x" in logs]
+    np.testing.assert_allclose(xs, [[0, 3], [1, 4], [2, 5]])
+    bigs = [(logs["big"], s["valid"]) for logs, s in rec.events if "big" in logs]
+    assert len(bigs) == 3
+    for value, valid in bigs:
+        assert list(valid) == [False, True] and np.isnan(value[0])
+
+
+def test_tags_exclude_prefix_and_default_callback(capsys):
+    def f(x):
+        el.log("a", x, tags="train")
+        el.log("b", x + 1, tags="debug")
+        return x
+
+    el.tap(f, exclude="debug", prefix="run/")(jnp.float32(1.5))
+    jax.effects_barrier()
+    out = capsys.readouterr().out
+    assert "run/a=1.5" in out and "b=" not in out
+
+
+def test_tap_then_spool_of_one_function():
+    rec = Recorder()
+    f = jax.jit(_program)
+    xs = jnp.arange(4.0)
+    el.tap(f, callback=rec)(xs)
+    _, logs = el.spool(f, reduce=el.Stack(capacity=8))(xs)
+    el.tap(f, callback=rec)(xs)
+    assert rec.flat() == _reference(np.arange(4.0)) * 2
+    np.testing.assert_allclose(logs["x"][:4], np.arange(4.0))
