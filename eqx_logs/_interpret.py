@@ -20,6 +20,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax import lax
 
 from . import _compat
 from ._buffers import NeedsBound
@@ -302,7 +303,8 @@ class Interpreter:
         state = dict(state)
         valid = mask
         if self.policy.interval > 1:  # events 0, k, 2k, ... of this key
-            valid = jnp.logical_and(state["seen"] % self.policy.interval == 0, mask)
+            period = jnp.int32(self.policy.interval)
+            valid = jnp.logical_and(lax.rem(state["seen"], period) == 0, mask)
             state["seen"] = state["seen"] + jnp.asarray(mask, jnp.int32)
         if valid is not True:
             valid = jnp.broadcast_to(valid, self.info[key].batch_shape())

@@ -41,12 +41,31 @@ class _TapInterpreter(Interpreter):
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
-        self._reductions = {
-            k: None for k in counts if not isinstance(self.policy.reduction(k), str)
-        }
-        states = {k: jnp.zeros((), jnp.int32) for k in self._reductions}
-        outs, _ = self.eval(closed, args, states)
+        kept = [k for k in counts if not isinstance(self.policy.reduction(k), str)]
+        # Keys logged by exactly the same log equations always have the same number of events,
+        # so they share one event counter: fewer scalar ops in every loop iteration.
+        groups: dict[frozenset, str] = {}
+        self._group = {}
+        for key in kept:
+            sites = frozenset(self._eqns_of[key])
+            self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
+        self._reductions = dict.fromkeys(kept)
+        outs, _ = self.eval(closed, args, {g: jnp.zeros((), jnp.int32) for g in groups.values()})
         return outs
+
+    def keys(self, closed: Any) -> tuple[str, ...]:
+        """The event counters (one per group of keys) that `closed` updates."""
+        return tuple(dict.fromkeys(self._group[k] for k in super().keys(closed)))
+
+    def _record(self, eqn):
+        keys = super()._record(eqn)
+        if not hasattr(self, "_eqns_of"):
+            self._eqns_of: dict[str, set[int]] = {}
+            self._alive: list[Any] = []  # keeps the ids above unique
+        self._alive.append(eqn)
+        for key in keys:
+            self._eqns_of.setdefault(key, set()).add(id(eqn))
+        return keys
 
     def _event(self, eqn, invals, states):
         params = eqn.params
@@ -57,16 +76,21 @@ class _TapInterpreter(Interpreter):
         n_leaves = params["treedef"].num_leaves
         items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
         steps = dict(zip(params["steps"], invals[n_leaves:]))
-        keys = [k for k in items if k in states]
+        keys = [k for k in items if k in self._reductions]
         if not keys:
             return
         mask = invals[-1] if params["masked"] else None
         happened = jnp.bool_(True) if mask is None else jnp.any(mask)
-        interval = self.policy.interval
-        wanted = {k: jnp.logical_and(happened, states[k] % interval == 0) for k in keys}
-        for k in keys:
-            states[k] = states[k] + happened.astype(jnp.int32)
+        groups = list(dict.fromkeys(self._group[k] for k in keys))
+        if self.policy.interval == 1:
+            wanted = dict.fromkeys(groups, happened)
+        else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
+            period = jnp.int32(self.policy.interval)
+            wanted = {g: jnp.logical_and(happened, lax.rem(states[g], period) == 0) for g in groups}
+            for g in groups:
+                states[g] = states[g] + happened.astype(jnp.int32)
         values = {k: items[k] for k in keys}
+        group_of = {k: self._group[k] for k in keys}
         prefix, callback = self.policy.prefix, self.callback
 
         def host(values, steps, wanted, mask):
@@ -82,7 +106,7 @@ class _TapInterpreter(Interpreter):
                     return np.where(m, v, np.nan)
 
                 values = jax.tree.map(hide, values)
-            logs = {prefix + k: v for k, v in values.items() if bool(wanted[k])}
+            logs = {prefix + k: v for k, v in values.items() if bool(wanted[group_of[k]])}
             if logs:
                 callback(logs, steps)
 

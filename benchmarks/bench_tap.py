@@ -1,0 +1,88 @@
+"""tap(interval=100) on a 10,000-step scanned training step logging 3 scalars, against the
+log-free function; beside it, jax.debug.callback on every step. Ratios of medians, measured
+side by side in one run. Run: `python benchmarks/bench_tap.py [--quick]`."""
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_core  # noqa: E402
+
+import eqx_logs  # noqa: E402
+
+STEPS = 10_000
+TARGET = 1.5
+
+
+def data(key):
+    x = jax.random.normal(key, (STEPS, bench_core.BATCH, bench_core.IN_FEATURES))
+    y = jax.numpy.sin(x.sum(-1, keepdims=True))
+    return jax.numpy.arange(STEPS, dtype=jax.numpy.float32) / STEPS * bench_core.STEPS, x, y
+
+
+def logged(params, data):
+    def body(params, batch):
+        params, (loss, gn, lr) = bench_core.train_step(params, batch)
+        eqx_logs.log({"loss": loss, "grad_norm": gn, "lr": lr})
+        return params, None
+
+    return lax.scan(body, params, data)[0]
+
+
+def with_debug_callback(params, data):
+    def body(params, batch):
+        params, metrics = bench_core.train_step(params, batch)
+        jax.debug.callback(lambda *m: None, *metrics)
+        return params, None
+
+    return lax.scan(body, params, data)[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    repeats = 5 if parser.parse_args().quick else 15
+    print(f"jax {jax.__version__}; {STEPS}-step training scan logging 3 scalars")
+    params = bench_core.init_params(jax.random.key(0))
+    batches = data(jax.random.key(1))
+    calls = []
+    variants = {
+        "log-free": jax.jit(bench_core.train_plain),
+        "tap(interval=100)": jax.jit(
+            eqx_logs.tap(logged, interval=100, callback=lambda logs, steps: calls.append(1))
+        ),
+        "debug.callback every step": jax.jit(with_debug_callback),
+    }
+
+    def runner(fn):
+        def run():
+            jax.block_until_ready(fn(params, batches))
+            jax.effects_barrier()
+
+        return run
+
+    times = bench_core.interleaved({k: runner(f) for k, f in variants.items()}, repeats)
+    base = statistics.median(times["log-free"])
+    summary = bench_core.Summary()
+    for name, ts in times.items():
+        ratio = statistics.median(ts) / base
+        print(f"  {name:28s} {bench_core.fmt_time(statistics.median(ts))}  ratio {ratio:.2f}")
+        if name.startswith("tap"):
+            summary.add(
+                "tap(interval=100) / log-free", f"{ratio:.2f}x", f"<= {TARGET}x", ratio <= TARGET
+            )
+        elif name.startswith("debug"):
+            summary.add("debug.callback every step / log-free", f"{ratio:.2f}x", "-", None)
+    per_call = len(calls) / (repeats + 2)
+    summary.add("tap host calls per run", f"{per_call:.0f}", "100", per_call == 100)
+    summary.print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
