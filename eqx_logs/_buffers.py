@@ -102,6 +102,10 @@ class Stack(AbstractReduction):
     def step_reduction(self):
         return self  # the same slots, so steps line up with values
 
+    def rows(self, state):
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        return jnp.minimum(state["index"], size)
+
     def finalize(self, state):
         if self.keep == "first":
             return state["buffer"]
@@ -137,6 +141,10 @@ class Collect(AbstractReduction):
 
     def merge(self, a, b):
         return self._stack().merge(a, b)
+
+    def rows(self, state):  # elements of the first leaf that are real
+        buffer = jtu.tree_leaves(state["buffer"])[0]
+        return self._stack().rows(state) * math.prod(buffer.shape[1:])
 
     def finalize(self, state):
         return jtu.tree_map(jnp.ravel, self._stack().finalize(state))
@@ -234,6 +242,9 @@ class Sample(AbstractReduction):
         buffer = jtu.tree_map(combine, a["stack"]["buffer"], b["stack"]["buffer"])
         return {"stack": {"buffer": buffer, "index": draws}, "seen": na + nb}
 
+    def rows(self, state):
+        return state["stack"]["index"]
+
     def finalize(self, state):
         return state["stack"]["buffer"]
 
@@ -320,6 +331,11 @@ class Window(AbstractReduction):
             "position": b["position"],
             "windows": stack.merge(closed, b["windows"]),
         }
+
+    def rows(self, state):  # finished windows, and the partial one if it has events
+        stack = _windows_stack(state)
+        closed = stack.rows(state["windows"]) + (state["position"] > 0).astype(jnp.int32)
+        return jnp.minimum(closed, stack.capacity)
 
     def finalize(self, state):
         stack = _windows_stack(state)

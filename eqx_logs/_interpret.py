@@ -340,12 +340,15 @@ class Interpreter:
                 }
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states)
-        values, count, steps, names = {}, {}, {}, {}
+        values, count, steps, names, rows = {}, {}, {}, {}, {}
         for key, state in states.items():
             name = self.policy.prefix + key
             nbatch = self.info[key].nbatch
             count[name] = state["count"]
-            names[name] = type(self._reductions[key]).__name__
+            reduction = self._reductions[key]
+            names[name] = type(reduction).__name__
+            if reduction.event_axes:
+                rows[name] = _vmap(reduction.rows, nbatch)(state["value"])
             for channel, reduction in self._channels[key].items():
                 out = _vmap(reduction.finalize, nbatch)(state[channel])
                 out = reduction.place_batch_axes(out, nbatch)
@@ -353,7 +356,7 @@ class Interpreter:
                     values[name] = out
                 else:
                     steps.setdefault(channel.removeprefix("step:"), {})[name] = out
-        return outs, LogDict(values, count=count, steps=steps, reductions=names)
+        return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
 
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]

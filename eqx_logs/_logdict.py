@@ -18,7 +18,7 @@ class LogDict(dict):
     through `jax.jit` and `eqx.filter_jit` as an output.
     """
 
-    __slots__ = ("_count", "_steps", "_reductions")
+    __slots__ = ("_count", "_steps", "_reductions", "_rows")
 
     def __init__(
         self,
@@ -27,10 +27,12 @@ class LogDict(dict):
         count: Mapping[str, Any] | None = None,
         steps: Mapping[str, Mapping[str, Any]] | None = None,
         reductions: Mapping[str, str] | None = None,
+        rows: Mapping[str, Any] | None = None,
     ):
         super().__init__(values)
         self._count = dict(count or {})
         self._reductions = dict(reductions or {})
+        self._rows = dict(rows or {})
         # step name -> {key -> stacked step values}
         self._steps = {name: dict(per_key) for name, per_key in (steps or {}).items()}
 
@@ -42,6 +44,12 @@ class LogDict(dict):
     def reductions(self) -> dict[str, str]:
         """The name of the reduction class that produced each key (`"Stack"`, `"Mean"`, ...)."""
         return self._reductions
+
+    @property
+    def rows(self) -> dict[str, Any]:
+        """For keys whose output has an event axis (Stack, Window, Sample, Collect): how many
+        leading rows are real events or windows; the rest is padding."""
+        return self._rows
 
     @property
     def steps(self) -> dict[str, dict[str, Any]]:
@@ -64,18 +72,21 @@ class LogDict(dict):
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
         children = [(jtu.DictKey(k), self[k]) for k in keys]
         children += [(jtu.GetAttrKey(f"count[{k!r}]"), self._count[k]) for k in keys]
+        row_keys = tuple(k for k in keys if k in self._rows)
+        children += [(jtu.GetAttrKey(f"rows[{k!r}]"), self._rows[k]) for k in row_keys]
         for name, per_key in step_names:
             children += [(jtu.GetAttrKey(f"{name}[{k!r}]"), self._steps[name][k]) for k in per_key]
         reductions = tuple(self._reductions.get(k) for k in keys)
-        return children, (keys, step_names, reductions)
+        return children, (keys, step_names, reductions, row_keys)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        keys, step_names, reductions = aux
+        keys, step_names, reductions, row_keys = aux
         n = len(keys)
         values = dict(zip(keys, children[:n]))
         count = dict(zip(keys, children[n : 2 * n]))
         rest = iter(children[2 * n :])
+        rows = {k: next(rest) for k in row_keys}
         steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
         named = {k: r for k, r in zip(keys, reductions) if r is not None}
-        return cls(values, count=count, steps=steps, reductions=named)
+        return cls(values, count=count, steps=steps, reductions=named, rows=rows)

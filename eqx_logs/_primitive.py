@@ -166,7 +166,7 @@ def _call_site() -> str:
 
 _MISSING = object()
 # Attributes of LogDict that a step name would shadow.
-RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions"})
+RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions", "rows"})
 
 
 def _is_arraylike(x: Any) -> bool:

@@ -64,6 +64,11 @@ class AbstractReduction(eqx.Module):
     def finalize(self, state: PyTree[Array]) -> PyTree[Array]:
         """The output for a state."""
 
+    def rows(self, state: PyTree[Array]) -> Array | None:
+        """For outputs with an event axis (`event_axes == 1`): how many leading rows of the
+        output are real (the rest is padding). None for other reductions."""
+        return None
+
     def step_reduction(self) -> "AbstractReduction":
         """How the step values recorded with the events (`log(..., step=i)`) are reduced so
         that they line up with the output: the last step, by default."""

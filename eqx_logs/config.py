@@ -24,6 +24,7 @@ from ._policy import Policy, as_reduction
 @dataclass
 class PolicyConfig:
     _target_: str = "eqx_logs.config.policy"
+    _convert_: str = "all"  # plain containers, and nested `_target_` reductions kept as modules
     reduce: Any = "stack"
     interval: int = 1
     window: int | None = None

@@ -20,23 +20,19 @@ def records(logs: LogDict) -> Iterator[dict[str, Any]]:
     for key, value in logs.items():
         count = np.asarray(logs.count[key])
         steps = {name: per_key[key] for name, per_key in logs.steps.items() if key in per_key}
-        reduction = logs.reductions.get(key)
         leaves = jax.tree.leaves(value)
-        if reduction in ("Stack", "Window") and count.ndim == 0 and leaves:
-            if reduction == "Stack":
-                rows = range(min(int(count), leaves[0].shape[0]))
-            else:  # windows that saw events; the others are padding (NaN for inexact values)
-                rows = [i for i in range(leaves[0].shape[0]) if not _all_nan(value, i)]
-            for i in rows:
+        if key in logs.rows and leaves:  # an event axis: a record per real event or window
+            length = leaves[0].shape[0]
+            for i in range(int(np.max(logs.rows[key]))):
                 row = jax.tree.map(lambda x: x[i], value)
-                yield {"key": key, "value": row, **{n: s[i] for n, s in steps.items()}}
+                # steps line up with the rows, except for Collect (whose rows are elements)
+                row_steps = {
+                    n: s[i] if np.ndim(s) and np.shape(s)[0] == length else s
+                    for n, s in steps.items()
+                }
+                yield {"key": key, "value": row, **row_steps}
         else:
             yield {"key": key, "value": value, "count": count, **steps}
-
-
-def _all_nan(value: Any, i: int) -> bool:
-    rows = [np.asarray(x[i]) for x in jax.tree.leaves(value)]
-    return all(np.issubdtype(r.dtype, np.inexact) and np.all(np.isnan(r)) for r in rows)
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")

@@ -18,8 +18,8 @@ def _fmt(value) -> str:
 
 
 class ConsoleLogger(AbstractLogger):
-    """Prints aligned lines: `key  step=...  value`. With `last_only`, only the latest event
-    of each stacked key."""
+    """Prints aligned lines: `key  value  step=...`. With `last_only`, only the latest event of
+    each key in each write."""
 
     last_only: bool = True
 

@@ -1,0 +1,610 @@
+"""Hydra integration: `conf/` composed with Hydra's compose API (every knob, checked field by
+field on the instantiated Policy and logger; bad values), and real command-line runs of
+`examples/train.py` in a subprocess, whose files on disk are checked against independent
+references (a `logging=debug` run's per-step values, numpy, an in-process training loop)."""
+
+import ast
+import importlib.util
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import ConfigCompositionException, InstantiationException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+import eqx_logs
+import eqx_logs.config  # noqa: F401  (registers the structured configs)
+from eqx_logs import Fanout, Max, Mean, Stack, Window
+from eqx_logs.loggers import AbstractLogger, ConsoleLogger, JsonlLogger
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+TRAIN = ROOT / "examples" / "train.py"
+
+STEPS, CHUNK = 200, 100
+SHORT = (f"train.steps={STEPS}", f"train.chunk={CHUNK}")
+TRAIN_KEYS = {"loss", "grad/layer0", "grad/layer1", "grad/layer2"}
+DEBUG_KEYS = {"activation/0", "activation/1"}
+
+
+# --------------------------------------------------------------------------------------------
+# The compose API
+# --------------------------------------------------------------------------------------------
+
+
+def compose_cfg(*overrides: str, config_dir: Path = CONF):
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def compose_policy(*overrides: str) -> eqx_logs.Policy:
+    return instantiate(compose_cfg(*overrides).logging)
+
+
+# conf/logging/default.yaml, written out by hand.
+DEFAULT = dict(
+    reduce=Stack(),
+    interval=10,
+    window=None,
+    tags=None,
+    exclude=("debug",),
+    rules=(),
+    prefix="",
+    seed=None,
+)
+DEBUG = {**DEFAULT, "interval": 1, "exclude": ()}
+TRAIN_PRESET = {
+    **DEFAULT,
+    "reduce": Mean(),
+    "interval": 1,
+    "window": 100,
+    "tags": ("train",),
+    "exclude": (),
+    "rules": (("grad/*", Max()),),
+}
+
+
+def check_policy(policy, *, reduce, interval, window, tags, exclude, rules, prefix, seed):
+    """`policy` has exactly these fields (types included: tuples, not OmegaConf lists)."""
+    assert type(policy) is eqx_logs.Policy
+    assert type(policy.reduce) is type(reduce), policy.reduce
+    assert policy.reduce == reduce, f"{policy.reduce} != {reduce}"
+    assert type(policy.interval) is int and policy.interval == interval
+    if window is None:
+        assert policy.window is None
+    else:
+        assert type(policy.window) is int and policy.window == window
+    if tags is None:
+        assert policy.tags is None
+    else:
+        assert type(policy.tags) is tuple and policy.tags == tags
+    assert type(policy.exclude) is tuple and policy.exclude == exclude
+    assert type(policy.rules) is tuple
+    assert [type(pair) for pair in policy.rules] == [tuple] * len(rules)
+    assert [p for p, _ in policy.rules] == [p for p, _ in rules], "rule order"
+    for (pattern, got), (_, want) in zip(policy.rules, rules):
+        assert type(got) is type(want) and got == want, f"rule {pattern!r}: {got} != {want}"
+    assert policy.prefix == prefix
+    if seed is None:
+        assert policy.key is None
+    else:
+        assert jax.dtypes.issubdtype(policy.key.dtype, jax.dtypes.prng_key)
+        np.testing.assert_array_equal(
+            jax.random.key_data(policy.key), jax.random.key_data(jax.random.key(seed))
+        )
+
+
+POLICY_CASES = {
+    "default preset": ([], DEFAULT),
+    "logging=debug": (["logging=debug"], DEBUG),
+    "logging=train": (["logging=train"], TRAIN_PRESET),
+    # on top of debug (interval 1), so that an ignored override fails
+    "logging.interval=10": (["logging=debug", "logging.interval=10"], {**DEBUG, "interval": 10}),
+    "logging.interval=7": (["logging.interval=7"], {**DEFAULT, "interval": 7}),
+    "logging.reduce=mean": (["logging.reduce=mean"], {**DEFAULT, "reduce": Mean()}),
+    "logging.reduce=max on train": (
+        ["logging=train", "logging.reduce=max"],
+        {**TRAIN_PRESET, "reduce": Max()},
+    ),
+    "logging.tags=[train]": (["logging.tags=[train]"], {**DEFAULT, "tags": ("train",)}),
+    "logging.tags=[train,eval]": (
+        ["logging.tags=[train,eval]"],
+        {**DEFAULT, "tags": ("train", "eval")},
+    ),
+    "logging.tags=null on train": (
+        ["logging=train", "logging.tags=null"],
+        {**TRAIN_PRESET, "tags": None},
+    ),
+    "logging.exclude=[debug,slow]": (
+        ["logging.exclude=[debug,slow]"],
+        {**DEFAULT, "exclude": ("debug", "slow")},
+    ),
+    "logging.window=null on train": (
+        ["logging=train", "logging.window=null"],
+        {**TRAIN_PRESET, "window": None},
+    ),
+    "logging.window=50": (["logging.window=50"], {**DEFAULT, "window": 50}),
+    "+logging.rules={grad/*: mean}": (
+        ["+logging.rules={grad/*: mean}"],
+        {**DEFAULT, "rules": (("grad/*", Mean()),)},
+    ),
+    "rules keep their order": (
+        ["+logging.rules={z/*: max, a/*: drop, grad/*: mean}"],
+        {**DEFAULT, "rules": (("z/*", Max()), ("a/*", "drop"), ("grad/*", Mean()))},
+    ),
+    "logging.rules= replaces the train preset's rule": (
+        ["logging=train", "logging.rules={grad/*: mean}"],
+        {**TRAIN_PRESET, "rules": (("grad/*", Mean()),)},
+    ),
+    "+logging.rules= adds to the train preset's rules": (
+        ["logging=train", "+logging.rules={lr: drop}"],
+        {**TRAIN_PRESET, "rules": (("grad/*", Max()), ("lr", "drop"))},
+    ),
+    "nested reduce by _target_": (
+        ["logging.reduce={_target_:eqx_logs.Window,size:100,inner:mean}"],
+        {**DEFAULT, "reduce": Window(100, Mean())},
+    ),
+    "nested Fanout with a nested _target_": (
+        ["logging.reduce={_target_:eqx_logs.Fanout,mean:mean,max:{_target_:eqx_logs.Max}}"],
+        {**DEFAULT, "reduce": Fanout(mean=Mean(), max=Max())},
+    ),
+    "logging.prefix=run/": (["logging.prefix=run/"], {**DEFAULT, "prefix": "run/"}),
+    "logging.seed=3": (["logging.seed=3"], {**DEFAULT, "seed": 3}),
+    "several knobs at once": (
+        [
+            "logging=debug",
+            "logging.reduce=mean",
+            "logging.interval=5",
+            "logging.window=20",
+            "logging.tags=[train]",
+            "logging.prefix=a/",
+            "logging.seed=0",
+        ],
+        {
+            **DEBUG,
+            "reduce": Mean(),
+            "interval": 5,
+            "window": 20,
+            "tags": ("train",),
+            "prefix": "a/",
+            "seed": 0,
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, want", POLICY_CASES.values(), ids=list(POLICY_CASES))
+def test_compose_policy(overrides, want):
+    check_policy(compose_policy(*overrides), **want)
+
+
+def test_compose_nested_window_fields():
+    policy = compose_policy("logging.reduce={_target_:eqx_logs.Window,size:100,inner:mean}")
+    assert type(policy.reduce) is Window
+    assert policy.reduce.size == 100
+    assert type(policy.reduce.inner) is Mean
+    assert policy.reduce.capacity is None
+
+
+def test_compose_rules_choose_reductions():
+    """The instantiated rules act: the first matching pattern wins; others get `reduce`."""
+    policy = compose_policy("logging.reduce=last", "+logging.rules={grad/b: drop, grad/*: max}")
+    assert policy.reduction("grad/w") == Max()
+    assert policy.reduction("grad/b") == "drop"
+    assert policy.reduction("loss") == eqx_logs.Last()
+    windowed = compose_policy("logging=train")
+    assert windowed.reduction("grad/layer0") == Window(100, Max())
+    assert windowed.reduction("loss") == Window(100, Mean())
+
+
+def test_yaml_preset_with_quoted_rules_and_nested_target(tmp_path):
+    """A user's own YAML preset: quoted rule patterns, a nested `_target_` reduction,
+    `window: null`, lists for tags/exclude."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF, conf)
+    (conf / "logging" / "mine.yaml").write_text(
+        "defaults:\n"
+        "  - base\n"
+        "  - _self_\n"
+        "reduce:\n"
+        "  _target_: eqx_logs.Window\n"
+        "  size: 25\n"
+        "  inner: max\n"
+        "interval: 2\n"
+        "window: null\n"
+        "tags: [train, eval]\n"
+        "exclude: [debug]\n"
+        'rules: {"grad/*": mean, "lr": drop}\n'
+        "prefix: mine/\n"
+        "seed: 7\n"
+    )
+    cfg = compose_cfg("logging=mine", config_dir=conf)
+    check_policy(
+        instantiate(cfg.logging),
+        reduce=Window(25, Max()),
+        interval=2,
+        window=None,
+        tags=("train", "eval"),
+        exclude=("debug",),
+        rules=(("grad/*", Mean()), ("lr", "drop")),
+        prefix="mine/",
+        seed=7,
+    )
+
+
+def test_compose_rule_with_nested_target():
+    policy = compose_policy("+logging.rules={grad/*: {_target_:eqx_logs.Window,size:10,inner:max}}")
+    check_policy(policy, **{**DEFAULT, "rules": (("grad/*", Window(10, Max())),)})
+
+
+def test_train_preset_in_a_spool():
+    """`logging=train` instantiated and used: train-tagged keys only, windowed means of 100
+    events (the last one partial), gradient norms' windowed max; against numpy."""
+    policy = compose_policy("logging=train")
+    xs = jnp.sin(jnp.arange(250.0)) + 2.0
+
+    def f(xs):
+        def step(c, x):
+            eqx_logs.log({"loss": x, "grad/w": x**2}, tags="train", step=c)
+            eqx_logs.log("activation", 3 * x, tags="debug", step=c)
+            return c + 1, None
+
+        return jax.lax.scan(step, 0, xs)[0]
+
+    _, logs = eqx_logs.spool(f, policy=policy)(xs)
+    assert set(logs) == {"loss", "grad/w"}
+    x = np.asarray(xs)
+    windows = [x[0:100], x[100:200], x[200:250]]
+    np.testing.assert_allclose(logs["loss"], [w.mean() for w in windows], rtol=1e-5)
+    np.testing.assert_allclose(logs["grad/w"], [(w**2).max() for w in windows], rtol=1e-5)
+
+
+LOGGER_CASES = {
+    "default (jsonl)": ([], JsonlLogger, {"path": "logs.jsonl"}),
+    "logger=jsonl": (["logger=jsonl"], JsonlLogger, {"path": "logs.jsonl"}),
+    "logger.path=x.jsonl": (["logger.path=x.jsonl"], JsonlLogger, {"path": "x.jsonl"}),
+    "logger=console": (["logger=console"], ConsoleLogger, {"last_only": True}),
+    "logger=console last_only=false": (
+        ["logger=console", "logger.last_only=false"],
+        ConsoleLogger,
+        {"last_only": False},
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, cls, fields", LOGGER_CASES.values(), ids=list(LOGGER_CASES))
+def test_compose_logger(overrides, cls, fields):
+    cfg = compose_cfg(*overrides)
+    logger = instantiate(cfg.logger)
+    assert type(logger) is cls
+    assert isinstance(logger, AbstractLogger)
+    for name, value in fields.items():
+        got = getattr(logger, name)
+        assert type(got) is type(value) and got == value, f"{name}: {got!r}"
+    # the logging group is untouched by logger overrides
+    check_policy(instantiate(cfg.logging), **DEFAULT)
+
+
+def test_jsonl_logger_path_override_writes_there(tmp_path):
+    logger = instantiate(compose_cfg(f"logger.path='{tmp_path / 'sub' / 'x.jsonl'}'").logger)
+    _, logs = eqx_logs.spool(lambda x: eqx_logs.log("a", x))(jnp.float32(1.5))
+    with logger:
+        logger.write(logs)
+    assert [
+        json.loads(line) for line in (tmp_path / "sub" / "x.jsonl").read_text().splitlines()
+    ] == [{"key": "a", "value": 1.5}]
+
+
+# Bad values fail when the config is instantiated, before anything runs, naming key and value.
+BAD_VALUES = {
+    "logging.interval=0": ("logging.interval=0", "logging.interval=0"),
+    "logging.interval=-1": ("logging.interval=-1", "logging.interval=-1"),
+    "logging.window=0": ("logging.window=0", "logging.window=0"),
+    "logging.reduce=meen": ("logging.reduce=meen", "logging.reduce='meen'"),
+    "logging.reduce=drop": ("logging.reduce=drop", "logging.reduce='drop'"),
+    "unknown rule reduction": ("+logging.rules={grad/*: meen}", "logging.rules.grad/*='meen'"),
+}
+
+
+@pytest.mark.parametrize("override, message", BAD_VALUES.values(), ids=list(BAD_VALUES))
+def test_bad_value_names_key_and_value(override, message):
+    cfg = compose_cfg(override)
+    with pytest.raises(InstantiationException) as info:
+        instantiate(cfg.logging)
+    assert message in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+def test_bad_reduce_lists_the_valid_names():
+    with pytest.raises(InstantiationException) as info:
+        compose_policy("logging.reduce=meen")
+    for name in ("mean", "stack", "max", "last"):
+        assert repr(name) in str(info.value)
+
+
+def test_bad_nested_reduce_names_the_key():
+    with pytest.raises(InstantiationException) as info:
+        compose_policy("logging.reduce={_target_:eqx_logs.Window,size:0,inner:mean}")
+    assert "Window(size=0)" in str(info.value)
+    assert "logging.reduce" in str(info.value)
+
+
+# Values of the wrong type are Hydra's own errors, at composition.
+TYPE_ERRORS = {
+    "logging.interval=abc": ("logging.interval=abc", "abc"),
+    "logging.interval=1.5": ("logging.interval=1.5", "1.5"),
+    "logging.window=abc": ("logging.window=abc", "abc"),
+    "logging.seed=abc": ("logging.seed=abc", "abc"),
+}
+
+
+@pytest.mark.parametrize("override, value", TYPE_ERRORS.values(), ids=list(TYPE_ERRORS))
+def test_wrong_type_is_hydras_error(override, value):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(override)
+    assert override in str(info.value)
+    assert value in str(info.value.__cause__)
+
+
+# --------------------------------------------------------------------------------------------
+# Real command-line runs of examples/train.py
+# --------------------------------------------------------------------------------------------
+
+
+class Run:
+    def __init__(self, proc: subprocess.CompletedProcess, out: Path):
+        self.rc, self.stdout, self.stderr, self.out = proc.returncode, proc.stdout, proc.stderr, out
+
+    def ok(self) -> "Run":
+        assert self.rc == 0, f"exit {self.rc}\nstdout:\n{self.stdout}\nstderr:\n{self.stderr}"
+        return self
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.pop("HYDRA_FULL_ERROR", None)  # the message a user sees, not a traceback
+    return env
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory):
+    """`train_run(name, *overrides, multirun=False)`: runs examples/train.py once per name in
+    this module (the short 200-step, 2-chunk version) and returns the Run."""
+    base = tmp_path_factory.mktemp("train")
+    done: dict[str, Run] = {}
+
+    def run(name: str, *overrides: str, multirun: bool = False) -> Run:
+        if name not in done:
+            (base / name).mkdir()
+            out = base / name / ("sweep" if multirun else "run")
+            # quoted: a temporary directory's path may hold characters Hydra's grammar reserves
+            where = f"hydra.{'sweep' if multirun else 'run'}.dir='{out}'"
+            args = [sys.executable, str(TRAIN), *(["--multirun"] if multirun else [])]
+            proc = subprocess.run(
+                [*args, *SHORT, where, *overrides],
+                capture_output=True,
+                text=True,
+                cwd=base / name,
+                env=_env(),
+                timeout=300,
+            )
+            done[name] = Run(proc, out)
+        return done[name]
+
+    return run
+
+
+def read_lines(path: Path) -> list[dict]:
+    """Every line of a JSONL file, parsed (a line that is not JSON fails the test)."""
+    text = path.read_text()
+    assert text.endswith("\n")
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def by_key(records: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        out.setdefault(r["key"], []).append(r)
+    return out
+
+
+def series(records: list[dict], key: str) -> tuple[list[int], np.ndarray]:
+    rows = by_key(records)[key]
+    return [r["step"] for r in rows], np.array([r["value"] for r in rows], np.float64)
+
+
+@pytest.fixture(scope="module")
+def debug(train_run):
+    """The reference: `logging=debug` keeps every step's value of every key."""
+    run = train_run("debug", "logging=debug").ok()
+    records = read_lines(run.out / "logs.jsonl")
+    ref = {}
+    for key in TRAIN_KEYS:
+        steps, values = series(records, key)
+        assert steps == list(range(STEPS)), key
+        assert np.all(np.isfinite(values)), key
+        ref[key] = values
+    return run, records, ref
+
+
+def reference_losses() -> tuple[float, float]:
+    """The first and final loss of the example's training, by an SGD loop written here
+    (one jitted step at a time, no scan, no spool), using the example's model and data."""
+    spec = importlib.util.spec_from_file_location("eqx_logs_example_train", TRAIN)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    kdata, kmodel = jax.random.split(jax.random.key(0))
+    x, y = mod.dataset(kdata, 64)
+    model = mod.MLP(32, kmodel)
+
+    @jax.jit
+    def sgd(model):
+        grads = jax.grad(mod.loss_fn)(model, x, y)
+        return jax.tree.map(lambda p, g: p - 0.05 * g, model, grads)
+
+    first = float(mod.loss_fn(model, x, y))
+    for _ in range(STEPS):
+        model = sgd(model)
+    return first, float(mod.loss_fn(model, x, y))
+
+
+def test_default_run(train_run, debug):
+    run = train_run("default").ok()
+    _, _, ref = debug
+    path = run.out / "logs.jsonl"
+    assert path.is_file()
+
+    # the summary: first and final loss, what was logged, where it went
+    m = re.search(r"^loss (\d+\.\d{4}) -> (\d+\.\d{4}) after (\d+) steps$", run.stdout, re.M)
+    assert m, run.stdout
+    first, final = reference_losses()
+    assert abs(float(m[1]) - first) < 1.5e-4 and abs(float(m[1]) - ref["loss"][0]) < 1.5e-4
+    assert abs(float(m[2]) - final) < 1.5e-4, (m[2], final)
+    assert int(m[3]) == STEPS
+    assert final < ref["loss"][-1] < first  # it trained
+    m = re.search(r"^written to (.+)$", run.stdout, re.M)
+    assert m and os.path.samefile(m[1], path), run.stdout
+    m = re.search(r"^logged (\[.*?\]) with Stack, interval=10, ", run.stdout, re.M)
+    assert m and set(ast.literal_eval(m[1])) == TRAIN_KEYS, run.stdout
+
+    records = read_lines(path)
+    assert {r["key"] for r in records} == TRAIN_KEYS  # debug-tagged keys excluded
+    assert len(records) == len(TRAIN_KEYS) * STEPS // 10
+    for key in TRAIN_KEYS:
+        steps, values = series(records, key)
+        assert steps == list(range(0, STEPS, 10)), key
+        np.testing.assert_allclose(values, ref[key][::10], rtol=1e-5, err_msg=key)
+
+
+@pytest.mark.parametrize("interval", [10, 1])
+def test_interval(train_run, debug, interval):
+    run = train_run(f"interval{interval}", f"logging.interval={interval}").ok()
+    assert f"interval={interval}," in run.stdout
+    records = read_lines(run.out / "logs.jsonl")
+    _, _, ref = debug
+    counts = {key: len(rows) for key, rows in by_key(records).items()}
+    assert counts == {key: STEPS // interval for key in TRAIN_KEYS}
+    for key in TRAIN_KEYS:
+        steps, values = series(records, key)
+        assert steps == list(range(0, STEPS, interval)), key
+        np.testing.assert_allclose(values, ref[key][::interval], rtol=1e-5, err_msg=key)
+
+
+def test_interval_not_dividing_chunk(train_run):
+    """Every 30th step, not every 30th step of each chunk; or an early error that says why."""
+    run = train_run("interval30", "logging.interval=30")
+    if run.rc != 0:  # refusing the combination is a fix too, if it says so
+        assert "logging.interval" in run.stdout + run.stderr
+        assert "train.chunk" in run.stdout + run.stderr
+        return
+    steps, _ = series(read_lines(run.out / "logs.jsonl"), "loss")
+    assert steps == list(range(0, STEPS, 30))
+
+
+def test_reduce_mean(train_run, debug):
+    """`logging.reduce=mean` (on the default preset, interval 10): one line per key per chunk,
+    the mean of that chunk's every-10th per-step value of the debug run."""
+    run = train_run("mean", "logging.reduce=mean").ok()
+    assert "with Mean, interval=10," in run.stdout
+    _, _, ref = debug
+    records = read_lines(run.out / "logs.jsonl")
+    assert len(records) == len(TRAIN_KEYS) * STEPS // CHUNK
+    for key, rows in by_key(records).items():
+        assert key in TRAIN_KEYS
+        assert [r["step"] for r in rows] == [CHUNK - 10, 2 * CHUNK - 10]
+        assert [r["count"] for r in rows] == [CHUNK // 10] * 2
+        want = [ref[key][c : c + CHUNK : 10].mean() for c in range(0, STEPS, CHUNK)]
+        np.testing.assert_allclose([r["value"] for r in rows], want, rtol=1e-5, err_msg=key)
+        # not the mean of every step (the interval is applied before the reduction)
+        every = [ref[key][c : c + CHUNK].mean() for c in range(0, STEPS, CHUNK)]
+        assert not np.allclose([r["value"] for r in rows], every, rtol=1e-4), key
+
+
+def test_debug_keeps_debug_tagged_keys(debug):
+    run, records, _ = debug
+    assert {r["key"] for r in records} == TRAIN_KEYS | DEBUG_KEYS
+    assert "tags=None, exclude=()" in run.stdout
+    assert len(by_key(records)["loss"]) == STEPS
+
+
+def test_tags_train(train_run):
+    """`'logging.tags=[train]'` on top of `logging=debug` (which excludes nothing): the
+    debug-tagged activations are gone because of the tag filter alone."""
+    run = train_run("tags", "logging=debug", "logging.tags=[train]").ok()
+    assert "tags=('train',), exclude=()" in run.stdout
+    records = read_lines(run.out / "logs.jsonl")
+    assert {r["key"] for r in records} == TRAIN_KEYS
+    for key in TRAIN_KEYS:
+        steps, _ = series(records, key)
+        assert steps == list(range(STEPS)), key
+
+
+def test_console_logger(train_run, debug):
+    run = train_run("console", "logger=console").ok()
+    _, _, ref = debug
+    assert not list(run.out.rglob("*.jsonl"))
+    assert re.search(r"^written to the console$", run.stdout, re.M), run.stdout
+    lines = [line for line in run.stdout.splitlines() if re.fullmatch(r"\S+ +\S+  step=\d+", line)]
+    assert len(lines) == len(TRAIN_KEYS) * STEPS // CHUNK, run.stdout
+    width = max(len(k) for k in TRAIN_KEYS)
+    for i in range(0, len(lines), len(TRAIN_KEYS)):  # one block per write
+        block = lines[i : i + len(TRAIN_KEYS)]
+        assert {line.split()[0] for line in block} == TRAIN_KEYS
+        last_step = i // len(TRAIN_KEYS) * CHUNK + CHUNK - 10
+        for line in block:
+            key = line.split()[0]
+            assert line[:width].rstrip() == key and line[width : width + 2] == "  ", line
+            assert line[width + 2] != " ", f"value column not aligned: {line!r}"
+            value, step = line[width + 2 :].split()
+            assert step == f"step={last_step}", line
+            assert math.isclose(float(value), ref[key][last_step], rel_tol=1e-5), line
+
+
+def test_multirun(train_run):
+    run = train_run("multirun", "logging.interval=1,10", multirun=True).ok()
+    files = sorted(run.out.glob("*/logs.jsonl"))
+    assert len(files) == 2, sorted(run.out.rglob("*"))
+    seen = set()
+    for path in files:
+        overrides = OmegaConf.to_container(
+            OmegaConf.load(path.parent / ".hydra" / "overrides.yaml")
+        )
+        (interval,) = [int(o.split("=")[1]) for o in overrides if o.startswith("logging.interval=")]
+        seen.add(interval)
+        records = read_lines(path)
+        counts = {key: len(rows) for key, rows in by_key(records).items()}
+        assert counts == {key: STEPS // interval for key in TRAIN_KEYS}, (interval, counts)
+        steps, _ = series(records, "loss")
+        assert steps == list(range(0, STEPS, interval))
+    assert seen == {1, 10}
+
+
+BAD_RUNS = {
+    "logging.interval=0": ("logging.interval=0", "logging.interval=0"),
+    "logging.reduce=meen": ("logging.reduce=meen", "logging.reduce='meen'"),
+    "logging.interval=abc": ("logging.interval=abc", "logging.interval=abc"),
+}
+
+
+@pytest.mark.parametrize("override, message", BAD_RUNS.values(), ids=list(BAD_RUNS))
+def test_bad_override_exits_with_message(train_run, override, message):
+    run = train_run("bad_" + re.sub(r"\W", "_", override), override)
+    assert run.rc != 0
+    output = run.stdout + run.stderr
+    assert message in output, output
+    assert "Traceback" not in output, output
+    assert not re.search(r"^loss ", run.stdout, re.M)  # failed before training
+    assert not (run.out / "logs.jsonl").exists()
