@@ -155,7 +155,7 @@ def test_logdict_is_a_pytree_through_jit():
     out, logs = jax.jit(el.spool(f))(jnp.float32(2.0))
     assert isinstance(logs, el.LogDict)
     leaves, treedef = jax.tree_util.tree_flatten(logs)
-    assert len(leaves) == 3  # value, count, step
+    assert len(leaves) == 4  # value, count, rows (real events), step
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert np.array_equal(back.step["x"], [3]) and int(back.count["x"]) == 1
 
