@@ -250,8 +250,10 @@ class Sample(AbstractReduction):
 
 
 def _windows_stack(state: dict) -> Stack:
-    """The Stack that holds a Window's finished windows (its capacity is the buffer's)."""
-    return Stack(capacity=jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+    """The Stack that holds a Window's finished windows (its capacity is the buffer's; a key
+    with no possible events has none)."""
+    size = jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0]
+    return Stack(capacity=size) if size else Stack()
 
 
 class Window(AbstractReduction):
@@ -303,7 +305,7 @@ class Window(AbstractReduction):
         return {
             "current": fresh,
             "position": jnp.zeros((), jnp.int32),
-            "windows": Stack(capacity=n).init(out, n),
+            "windows": (Stack(capacity=n) if n else Stack()).init(out, n),
         }
 
     def update(self, state, value, valid):
@@ -335,7 +337,7 @@ class Window(AbstractReduction):
     def rows(self, state):  # finished windows, and the partial one if it has events
         stack = _windows_stack(state)
         closed = stack.rows(state["windows"]) + (state["position"] > 0).astype(jnp.int32)
-        return jnp.minimum(closed, stack.capacity)
+        return jnp.minimum(closed, stack.capacity or 0)
 
     def finalize(self, state):
         stack = _windows_stack(state)
