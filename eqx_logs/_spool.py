@@ -99,26 +99,37 @@ def spool(
     return spooled
 
 
-@eqx.filter_jit
-def _spool_call(fun, policy, keep, scope, args, kwargs):
-    del scope
+def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
+    """Trace `fun(*args, **kwargs)` with logging on, filtered like `eqx.filter_jit` (arrays are
+    inputs, everything else is static). Returns the jaxpr, its inputs, and a function that
+    rebuilds `fun`'s output from the jaxpr's outputs."""
     dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_structure = []
 
     def flat_fun(*flat_args):
         f, a, k = eqx.combine(jtu.tree_unflatten(treedef, flat_args), static)
-        out = f(*a, **k)
-        out_dynamic, out_static = eqx.partition(out, eqx.is_array)
+        out_dynamic, out_static = eqx.partition(f(*a, **k), eqx.is_array)
         leaves, out_def = jtu.tree_flatten(out_dynamic)
         out_structure.append((out_def, out_static))
         return leaves
 
     with tracing_context(enabled=True):
         closed = jax.make_jaxpr(flat_fun)(*flat)
+
+    def rebuild(outs):
+        out_def, out_static = out_structure[-1]
+        return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
+
+    return closed, flat, rebuild
+
+
+@eqx.filter_jit
+def _spool_call(fun, policy, keep, scope, args, kwargs):
+    del scope  # part of the cache key only
+    closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     outs, logs = Interpreter(policy, RULES, keep=keep).run(closed, flat)
-    out_def, out_static = out_structure[-1]
-    return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static), logs
+    return rebuild(outs), logs
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:

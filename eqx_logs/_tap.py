@@ -14,8 +14,9 @@ from jax import lax
 from . import _compat
 from ._interpret import Interpreter
 from ._policy import Policy
-from ._primitive import current_prefix, tracing_context
+from ._primitive import current_prefix
 from ._rules import RULES
+from ._spool import trace_filtered
 
 _T = TypeVar("_T")
 
@@ -177,19 +178,5 @@ def tap(
 @eqx.filter_jit
 def _tap_call(fun, policy, callback, scope, args, kwargs):
     del scope  # part of the cache key only
-    dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
-    flat, treedef = jtu.tree_flatten(dynamic)
-    out_structure = []
-
-    def flat_fun(*flat_args):
-        f, a, k = eqx.combine(jtu.tree_unflatten(treedef, flat_args), static)
-        out_dynamic, out_static = eqx.partition(f(*a, **k), eqx.is_array)
-        leaves, out_def = jtu.tree_flatten(out_dynamic)
-        out_structure.append((out_def, out_static))
-        return leaves
-
-    with tracing_context(enabled=True):
-        closed = jax.make_jaxpr(flat_fun)(*flat)
-    outs = _TapInterpreter(policy, callback).run(closed, flat)
-    out_def, out_static = out_structure[-1]
-    return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
+    closed, flat, rebuild = trace_filtered(fun, args, kwargs)
+    return rebuild(_TapInterpreter(policy, callback).run(closed, flat))
