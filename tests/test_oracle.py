@@ -7,16 +7,24 @@ and `eqx_logs.log`; `Oracle` runs the same tree with Python loops and ifs, recor
 on the host and computes each key's static bound (scan: length times the body, cond/switch:
 maximum over branches). The tests compare the two under spool, jit, grad, vmap, and with a
 bounded `Stack(capacity, keep)` (which also allows while loops).
+
+Reductions and policies: a reduction is drawn as a small spec (`make_reduction` builds the
+eqx_logs object, `reference` applies it in numpy to the oracle's events), a Policy as a
+`Config` (rules, call-site reductions, tags, interval, prefix, window). The batched test lets
+predicates read the vmapped state (`z` may be batched too, and while loops may take one more
+trip depending on it) and compares spool(vmap(f)) and vmap(spool(f)) with the oracle per lane.
 """
 
 import dataclasses
+import fnmatch
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import assert_close, assert_logs, padded
+from helpers import ATOL, RTOL, assert_close, assert_logs, padded
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from jax import lax
 
@@ -30,6 +38,7 @@ import eqx_logs
 @dataclasses.dataclass(frozen=True)
 class Log:
     items: tuple[tuple[str, int], ...]  # (key, value variant); one call, distinct keys
+    tags: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +97,8 @@ class Checkpoint:
 class While:
     trips: int  # lax.while_loop on a counter: no static bound on its events
     body: Any
+    on: str | None = None  # if set: one more trip if then the source exceeds `threshold`
+    threshold: float = 0.0
 
 
 def _value(xp, key: str, variant: int, x):
@@ -132,28 +143,33 @@ def _key_dtype(key: str):
 # ----------------------------------------------------------------------------------------
 
 
-def build(node, memo: dict | None = None):
+def build(node, memo: dict | None = None, site_reduce: dict | None = None):
     """A function `(x, z) -> (x, z)` running `node` with JAX.
 
     Equal subtrees share one function (`memo`), so a repeated `Jit` calls the same `jax.jit`
-    object twice and the second call reuses JAX's cached trace.
+    object twice and the second call reuses JAX's cached trace. With `site_reduce` (key ->
+    reduction or None), every Log node logs each key in its own call with
+    `log(..., reduce=site_reduce[key])`.
     """
     memo = {} if memo is None else memo
     if node not in memo:
-        memo[node] = _build(node, memo)
+        memo[node] = _build(node, memo, site_reduce)
     return memo[node]
 
 
-def _build(node, memo: dict):
+def _build(node, memo: dict, site_reduce: dict | None):
     if isinstance(node, Log):
 
         def run(s):
             x, _ = s
             values = {k: _value(jnp, k, v, x) for k, v in node.items}
-            if len(values) == 1:
-                eqx_logs.log(*next(iter(values.items())))
+            if site_reduce is not None:
+                for k, v in values.items():
+                    eqx_logs.log(k, v, tags=node.tags, reduce=site_reduce.get(k))
+            elif len(values) == 1:
+                eqx_logs.log(*next(iter(values.items())), tags=node.tags)
             else:
-                eqx_logs.log(values)
+                eqx_logs.log(values, tags=node.tags)
             return s
 
     elif isinstance(node, Update):
@@ -162,7 +178,7 @@ def _build(node, memo: dict):
             return _update(jnp, node.op, *s)
 
     elif isinstance(node, Seq):
-        parts = [build(c, memo) for c in node.children]
+        parts = [build(c, memo, site_reduce) for c in node.children]
 
         def run(s):
             for part in parts:
@@ -170,7 +186,7 @@ def _build(node, memo: dict):
             return s
 
     elif isinstance(node, Scan):
-        body = build(node.body, memo)
+        body = build(node.body, memo, site_reduce)
 
         def step(s, i):
             if node.log_index:
@@ -184,7 +200,7 @@ def _build(node, memo: dict):
             return x + 0.05 * jnp.sum(ys, axis=0), z
 
     elif isinstance(node, Fori):
-        body = build(node.body, memo)
+        body = build(node.body, memo, site_reduce)
 
         def fori_body(i, s):
             if node.log_index:
@@ -195,13 +211,13 @@ def _build(node, memo: dict):
             return lax.fori_loop(node.lower, node.upper, fori_body, s)
 
     elif isinstance(node, Cond):
-        true, false = build(node.true, memo), build(node.false, memo)
+        true, false = build(node.true, memo, site_reduce), build(node.false, memo, site_reduce)
 
         def run(s):
             return lax.cond(_source(jnp, node.on, *s) > node.threshold, true, false, s)
 
     elif isinstance(node, Switch):
-        branches = [build(b, memo) for b in node.branches]
+        branches = [build(b, memo, site_reduce) for b in node.branches]
 
         def run(s):
             src = _source(jnp, node.on, *s)
@@ -211,27 +227,34 @@ def _build(node, memo: dict):
             return lax.switch(index, branches, s)
 
     elif isinstance(node, Jit):
-        run = jax.jit(build(node.body, memo))
+        run = jax.jit(build(node.body, memo, site_reduce))
     elif isinstance(node, Checkpoint):
-        run = jax.checkpoint(build(node.body, memo))
+        run = jax.checkpoint(build(node.body, memo, site_reduce))
     elif isinstance(node, While):
-        body = build(node.body, memo)
+        body = build(node.body, memo, site_reduce)
 
         def run(s):
             def loop(c):
                 i, s = c
                 return i + 1, body(s)
 
-            return lax.while_loop(lambda c: c[0] < node.trips, loop, (0, s))[1]
+            def test(c):
+                i, (x, z) = c
+                if node.on is None:
+                    return i < node.trips
+                extra = (_source(jnp, node.on, x, z) > node.threshold).astype(jnp.int32)
+                return i < node.trips + extra
+
+            return lax.while_loop(test, loop, (0, s))[1]
 
     else:
         raise AssertionError(node)
     return run
 
 
-def as_function(root):
+def as_function(root, site_reduce: dict | None = None):
     """`f(x, z) -> (x, z)` for a program tree."""
-    run = build(root)
+    run = build(root, None, site_reduce)
 
     def f(x, z):
         return run((x, z))
@@ -251,14 +274,17 @@ class Oracle:
 
     def __init__(self, root, x0, z0):
         self.events: dict[str, list] = {}
+        self.tags: dict[str, list] = {}  # the tags of every event, parallel to `events`
         self.tie = False
+        self.root = root
         x = np.asarray(x0, np.float32)
         self.x_shape = x.shape
         self.out = self.run(root, (x, np.float32(z0)))
         self.bounds = bounds(root)
 
-    def record(self, key, value):
+    def record(self, key, value, tags=()):
         self.events.setdefault(key, []).append(np.asarray(value, _key_dtype(key)))
+        self.tags.setdefault(key, []).append(tags)
 
     def compare(self, src, threshold) -> bool:
         if abs(float(src) - threshold) < _TIE:
@@ -269,7 +295,7 @@ class Oracle:
         x, z = s
         if isinstance(node, Log):
             for key, variant in node.items:
-                self.record(key, _value(np, key, variant, x))
+                self.record(key, _value(np, key, variant, x), node.tags)
             return s
         if isinstance(node, Update):
             x, z = _update(np, node.op, x, z)
@@ -296,6 +322,8 @@ class Oracle:
             return s
         if isinstance(node, While):
             for _ in range(node.trips):
+                s = self.run(node.body, s)
+            if node.on is not None and self.compare(_source(np, node.on, *s), node.threshold):
                 s = self.run(node.body, s)
             return s
         if isinstance(node, Cond):
@@ -333,33 +361,37 @@ def _plus(a: dict, b: dict) -> dict:
     return out
 
 
-def bounds(node) -> dict[str, int | None]:
+def bounds(node, select=None) -> dict[str, int | None]:
     """Static upper bound on the number of events of each key that `node` may log (None:
-    unbounded, inside a while loop)."""
+    unbounded, inside a while loop). With `select` (tags -> bool), only the log calls it
+    selects count; a key none of whose calls is selected is absent."""
     if isinstance(node, Log):
+        if select is not None and not select(node.tags):
+            return {}
         return {k: 1 for k, _ in node.items}
     if isinstance(node, Update):
         return {}
     if isinstance(node, Seq):
         out = {}
         for child in node.children:
-            out = _plus(out, bounds(child))
+            out = _plus(out, bounds(child, select))
         return out
     if isinstance(node, Scan | Fori):
         trips = node.length if isinstance(node, Scan) else node.upper - node.lower
-        per_trip = _plus({"n": 1} if node.log_index else {}, bounds(node.body))
+        index = node.log_index and (select is None or select(()))
+        per_trip = _plus({"n": 1} if index else {}, bounds(node.body, select))
         return {k: None if n is None else n * trips for k, n in per_trip.items()}
     if isinstance(node, While):
-        return {k: None for k in bounds(node.body)}
+        return {k: None for k in bounds(node.body, select)}
     if isinstance(node, Cond | Switch):
         branches = (node.true, node.false) if isinstance(node, Cond) else node.branches
         out = {}
         for branch in branches:
-            for k, n in bounds(branch).items():
+            for k, n in bounds(branch, select).items():
                 out[k] = None if n is None or out.get(k, 0) is None else max(out.get(k, 0), n)
         return out
     if isinstance(node, Jit | Checkpoint):
-        return bounds(node.body)
+        return bounds(node.body, select)
     raise AssertionError(node)
 
 
@@ -375,6 +407,223 @@ def count_logs(node) -> int:
 
 
 # ----------------------------------------------------------------------------------------
+# Reductions and policies: specs, the library objects they stand for, numpy references
+# ----------------------------------------------------------------------------------------
+
+# A reduction spec is a tuple: (name,) for a reduction passed by name (NAMED), ("ema", decay),
+# ("stack", capacity, keep), ("collect", capacity), ("window", size, inner spec, capacity) and
+# ("fanout", ((name, spec), ...)).
+_SIMPLE = ("mean", "sum", "last", "first", "min", "max", "var", "std", "count")
+NAMED = ("stack", "collect", *_SIMPLE)
+_ACCUMULATING = {"sum", "mean", "var", "std", "ema"}  # compared with a float32 tolerance
+_EVENT_KEEPING = {"stack", "collect", "window"}  # outputs index events (or windows) first
+
+
+def make_reduction(spec):
+    """The eqx_logs reduction a spec stands for (a name where the spec is one)."""
+    kind = spec[0]
+    if len(spec) == 1:
+        return kind
+    if kind == "ema":
+        return eqx_logs.EMA(spec[1])
+    if kind == "stack":
+        return eqx_logs.Stack(capacity=spec[1], keep=spec[2])
+    if kind == "collect":
+        return eqx_logs.Collect(capacity=spec[1])
+    if kind == "window":
+        return eqx_logs.Window(spec[1], make_reduction(spec[2]), capacity=spec[3])
+    if kind == "fanout":
+        return eqx_logs.Fanout(**{name: make_reduction(s) for name, s in spec[1]})
+    raise AssertionError(spec)
+
+
+def _fill(dtype):
+    return np.nan if np.issubdtype(dtype, np.inexact) else 0
+
+
+def reference(spec, events: list, bound: int | None, shape: tuple[int, ...], dtype):
+    """What the reduction `spec` makes of `events` (one key, one lane, in execution order), in
+    numpy; `bound` is the static upper bound on their number (None: unbounded)."""
+    kind, n, dtype = spec[0], len(events), np.dtype(dtype)
+    real = dtype if np.issubdtype(dtype, np.inexact) else np.dtype(np.float32)
+    data = np.asarray(events, np.float64).reshape(n, *shape)
+    if kind in ("stack", "collect"):
+        capacity = spec[1] if len(spec) > 1 else None
+        keep = spec[2] if len(spec) > 2 else "first"
+        kept = events
+        if capacity is not None:
+            kept = events[:capacity] if keep == "first" else events[max(n - capacity, 0) :]
+        out = padded(kept, bound if capacity is None else capacity, shape, dtype)
+        return out.reshape(-1) if kind == "collect" else out
+    if kind == "window":
+        _, size, inner, capacity = spec
+        windows = math.ceil(bound / size) if capacity is None else capacity
+        empty = reference(inner, [], size, shape, dtype)
+        out = np.full((windows, *empty.shape), _fill(empty.dtype), empty.dtype)
+        for w, start in enumerate(range(0, n, size)[:windows]):
+            out[w] = reference(inner, events[start : start + size], size, shape, dtype)
+        return out
+    if kind == "fanout":
+        return {name: reference(s, events, bound, shape, dtype) for name, s in spec[1]}
+    if kind == "count":
+        return np.asarray(n, np.int32)
+    if kind == "sum":
+        return data.sum(axis=0).astype(dtype)
+    if kind in ("mean", "var", "std", "ema"):
+        if n == 0:
+            return np.full(shape, np.nan, real)
+        if kind == "ema":
+            d = spec[1]
+            weights = (1 - d) * d ** np.arange(n - 1, -1, -1, dtype=np.float64)
+            return (np.tensordot(weights, data, axes=1) / (1 - d**n)).astype(real)
+        return {"mean": np.mean, "var": np.var, "std": np.std}[kind](data, axis=0).astype(real)
+    if n == 0:
+        return np.full(shape, _fill(dtype), dtype)
+    pick = {"first": lambda d: d[0], "last": lambda d: d[-1], "min": np.min, "max": np.max}
+    if kind in ("min", "max"):
+        return pick[kind](data, axis=0).astype(dtype)
+    return pick[kind](data).astype(dtype)
+
+
+def _kinds(spec) -> set[str]:
+    if spec[0] == "window":
+        return {"window", *_kinds(spec[2])}
+    if spec[0] == "fanout":
+        return {"fanout"}.union(*(_kinds(s) for _, s in spec[1]))
+    return {spec[0]}
+
+
+def tolerance(spec, events: list) -> tuple[float, float]:
+    """(rtol, atol): reductions that accumulate in float32 get a looser one."""
+    kinds = _kinds(spec)
+    if not kinds & _ACCUMULATING:
+        return RTOL, ATOL
+    scale = max((float(np.max(np.abs(e))) for e in events), default=0.0)
+    if "sum" in kinds:
+        scale *= len(events)
+    return 1e-4, 1e-5 * (1.0 + scale)
+
+
+def stack_lanes(spec, values: list, event_first: bool):
+    """Per-lane outputs stacked on a batch axis: axis 0 (`vmap(spool(f))`), or under
+    `spool(vmap(f))` just after the event axis of event-keeping reductions."""
+    if spec[0] == "fanout":
+        return {name: stack_lanes(s, [v[name] for v in values], event_first) for name, s in spec[1]}
+    axis = 1 if event_first and spec[0] in _EVENT_KEEPING else 0
+    return np.stack(values, axis=axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """What a spool does with the events: Policy fields, and the reductions named at log
+    call sites (`site`: key -> spec)."""
+
+    reduce: tuple = ("stack",)
+    interval: int = 1
+    tags: tuple[str, ...] | None = None
+    exclude: tuple[str, ...] = ()
+    rules: tuple[tuple[str, Any], ...] = ()  # (pattern, spec or "drop"); the first match wins
+    prefix: str = ""
+    site: tuple[tuple[str, Any], ...] = ()
+    window: int | None = None  # Policy(window=w): every reduction r becomes Window(w, r)
+
+    def selects(self, tags: tuple[str, ...]) -> bool:
+        if self.tags is not None and not any(t in self.tags for t in tags):
+            return False
+        return not any(t in self.exclude for t in tags)
+
+    def reduction(self, key: str):
+        for pattern, spec in self.rules:
+            if fnmatch.fnmatchcase(key, pattern):
+                break
+        else:
+            site = dict(self.site).get(key)
+            spec = self.reduce if site is None else site
+        if self.window is None or spec == "drop":
+            return spec
+        return ("window", self.window, spec, None)
+
+
+def expected_reduced(o: Oracle, config: Config) -> dict[str, tuple]:
+    """`{output key: (value, count, spec, (rtol, atol))}` as `spool` must return them for the
+    oracle's events under `config`."""
+    out = {}
+    for key, bound in bounds(o.root, config.selects).items():
+        spec = config.reduction(key)
+        if spec == "drop":
+            continue
+        tagged = zip(o.events.get(key, []), o.tags.get(key, []))
+        kept = [e for e, tags in tagged if config.selects(tags)][:: config.interval]
+        if bound is not None:
+            bound = math.ceil(bound / config.interval)
+        value = reference(spec, kept, bound, _key_shape(key, o.x_shape), _key_dtype(key))
+        out[config.prefix + key] = (value, np.int32(len(kept)), spec, tolerance(spec, kept))
+    return out
+
+
+def _specs(spec) -> list:
+    """`spec` and the specs inside it (Fanout parts; not Window's inner)."""
+    if spec[0] == "fanout":
+        return [spec, *(t for _, s in spec[1] for t in _specs(s))]
+    return [spec]
+
+
+def combine_lanes(lanes: list[dict], event_first: bool) -> dict[str, tuple]:
+    """Per-lane expectations (from `expected_reduced`) as one vmapped spool returns them."""
+    out = {}
+    for name, (_, _, spec, _) in lanes[0].items():
+        value = stack_lanes(spec, [lane[name][0] for lane in lanes], event_first)
+        count = np.array([lane[name][1] for lane in lanes], np.int32)
+        rtol = max(lane[name][3][0] for lane in lanes)
+        atol = max(lane[name][3][1] for lane in lanes)
+        out[name] = (value, count, spec, (rtol, atol))
+    return out
+
+
+def _sized_by_bound(spec) -> bool:
+    """Whether the leading axis of `spec`'s output is sized by the static bound on the events
+    (an event-keeping reduction without a capacity)."""
+    if spec[0] not in _EVENT_KEEPING:
+        return False
+    return len(spec) == 1 or spec[3 if spec[0] == "window" else 1] is None
+
+
+def assert_reduced(logs, want: dict[str, tuple], extra_slots: bool = False) -> None:
+    """A LogDict against `expected_reduced` (or `combine_lanes`): keys, values (shape, dtype,
+    NaN positions, values) and counts (shape and values).
+
+    `extra_slots` tolerates, where the event axis is sized by the static bound, more slots
+    than expected if the extra ones are padding: eqx_logs's known over-estimate of the bound
+    of a cond with a batched predicate under `spool(vmap(f))` (see
+    `test_batched_cond_bound_is_max_over_branches`)."""
+    assert set(logs) == set(want), f"keys {sorted(logs)} != expected {sorted(want)}"
+    for name, (value, count, spec, (rtol, atol)) in want.items():
+        got = logs[name]
+        if isinstance(value, dict):
+            assert isinstance(got, dict), f"{name!r} ({spec}): {type(got)} is not a dict"
+            assert set(got) == set(value), f"{name!r} ({spec}): {sorted(got)} != {sorted(value)}"
+            parts = [(f"{name}[{k!r}]", got[k], value[k], s) for k, s in spec[1]]
+        else:
+            parts = [(name, got, value, spec)]
+        for what, g, w, s in parts:
+            g = np.asarray(g)
+            if extra_slots and _sized_by_bound(s) and g.shape[1:] == w.shape[1:]:
+                fill = np.full_like(g[w.shape[0] :], _fill(g.dtype))
+                np.testing.assert_array_equal(g[w.shape[0] :], fill, err_msg=f"{what!r} tail")
+                g = g[: w.shape[0]]
+            assert g.shape == w.shape, f"{what!r} ({s}): shape {g.shape} != {w.shape}"
+            assert g.dtype == w.dtype, f"{what!r} ({s}): dtype {g.dtype} != {w.dtype}"
+            np.testing.assert_allclose(
+                g, w, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"logs[{what!r}] ({s})"
+            )
+        got_count = np.asarray(logs.count[name])
+        assert got_count.shape == count.shape, (
+            f"count[{name!r}]: shape {got_count.shape} != {count.shape}"
+        )
+        np.testing.assert_array_equal(got_count, count, err_msg=f"count[{name!r}] ({spec})")
+
+
+# ----------------------------------------------------------------------------------------
 # The generator
 # ----------------------------------------------------------------------------------------
 
@@ -384,12 +633,21 @@ _LEAVES = ["log", "log", "update"]
 
 
 @st.composite
-def programs(draw, vmap_safe: bool = False, loops: tuple[str, ...] = ("scan", "fori")):
+def programs(
+    draw,
+    vmap_safe: bool = False,
+    loops: tuple[str, ...] = ("scan", "fori"),
+    batched: bool = False,
+    tags: tuple[str, ...] = (),
+):
     """A random program tree: at most MAX_LOGS Log nodes (a Seq may repeat a child, which
     then runs twice) and control flow nested at most MAX_DEPTH deep.
 
     With `vmap_safe`, predicates read only `z` and nothing logs the (unbatched) loop index,
-    so every logged value is batched under `vmap`. `loops` may add "while".
+    so every logged value is batched under `vmap`. `loops` may add "while". With `batched`,
+    nothing logs the loop index either, but predicates may read `x` (batched under `vmap`)
+    and a while loop may take one more trip depending on the state. With `tags`, every Log
+    node carries a random subset of them.
     """
     budget = [MAX_LOGS]
     ons = ["z"] if vmap_safe else ["x", "z"]
@@ -397,7 +655,7 @@ def programs(draw, vmap_safe: bool = False, loops: tuple[str, ...] = ("scan", "f
     control = ["seq", *loops, "cond", "switch", "jit", "checkpoint"]
 
     def log_index():
-        return False if vmap_safe else draw(st.booleans())
+        return False if vmap_safe or batched else draw(st.booleans())
 
     def node(depth):
         kinds = _LEAVES + (control if depth < MAX_DEPTH else [])
@@ -405,7 +663,10 @@ def programs(draw, vmap_safe: bool = False, loops: tuple[str, ...] = ("scan", "f
         if kind == "log" and budget[0] > 0:
             budget[0] -= 1
             keys = draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=2, unique=True))
-            return Log(tuple((k, draw(st.integers(0, 2))) for k in keys))
+            items = tuple((k, draw(st.integers(0, 2))) for k in keys)
+            if not tags:
+                return Log(items)
+            return Log(items, tuple(draw(st.lists(st.sampled_from(tags), unique=True))))
         if kind in ("log", "update"):
             return Update(draw(st.integers(0, 3)))
         if kind == "seq":
@@ -427,7 +688,11 @@ def programs(draw, vmap_safe: bool = False, loops: tuple[str, ...] = ("scan", "f
             upper = lower + draw(st.integers(0, 3))
             return Fori(lower, upper, log_index(), node(depth + 1))
         if kind == "while":
-            return While(draw(st.integers(0, 3)), node(depth + 1))
+            trips = draw(st.integers(0, 3))
+            if not batched:
+                return While(trips, node(depth + 1))
+            on = draw(st.sampled_from([None, "x", "z"]))
+            return While(trips, node(depth + 1), on, draw(thresholds))
         if kind == "cond":
             on, t = draw(st.sampled_from(ons)), draw(thresholds)
             return Cond(on, t, node(depth + 1), node(depth + 1))
@@ -462,6 +727,145 @@ def oracle(root, x0, z0) -> Oracle:
     o = Oracle(root, x0, z0)
     assume(not o.tie)
     return o
+
+
+KINDS = ("stack", "collect", *_SIMPLE, "ema", "window", "fanout")
+
+
+@st.composite
+def reductions(draw, bounded: bool = True, fanout: bool = True, kind: str | None = None):
+    """A reduction spec (see `make_reduction`) of `kind` (by default a random one). Without
+    a static bound on the events (`bounded=False`: logs in while loops) every buffer gets a
+    capacity."""
+    if kind is None:
+        kind = draw(st.sampled_from(KINDS if fanout else KINDS[:-1]))
+
+    def capacity():
+        return None if bounded and draw(st.booleans()) else draw(st.integers(1, 5))
+
+    if kind == "stack":
+        cap, keep = capacity(), draw(st.sampled_from(["first", "last"]))
+        return ("stack",) if cap is None and keep == "first" else ("stack", cap, keep)
+    if kind == "collect":
+        cap = capacity()
+        return ("collect",) if cap is None and draw(st.booleans()) else ("collect", cap)
+    if kind == "ema":
+        return ("ema", draw(st.sampled_from([0.5, 0.9, 0.0])))
+    if kind == "window":
+        inner = draw(st.sampled_from([*_SIMPLE, "ema"]))
+        inner = ("ema", 0.5) if inner == "ema" else (inner,)
+        return ("window", draw(st.integers(1, 3)), inner, capacity())
+    if kind == "fanout":
+        parts = draw(st.lists(reductions(bounded, fanout=False), min_size=2, max_size=2))
+        return ("fanout", (("p", parts[0]), ("q", parts[1])))
+    return (kind,)
+
+
+def _bounded(root) -> bool:
+    return all(n is not None for n in bounds(root).values())
+
+
+@st.composite
+def reduction_cases(draw, batch: int | None = None):
+    """`(root, x0, z0, z_axis, spec, interval)`: a program that logs (while loops allowed,
+    taking one more trip or not depending on the state), inputs (with `batch`, a batch of
+    `x`, and `z` batched when `z_axis` is 0), a reduction spec and an interval.
+
+    The kind of reduction is drawn first (hypothesis then spreads it evenly); half the
+    programs run in an outer scan, for more events. With `batch`, some predicate reads the
+    batched state and the lanes get spread-out inputs, so that predicates split them."""
+    kind = draw(st.sampled_from(KINDS))
+    root = draw(programs(loops=("scan", "fori", "while"), batched=True))
+    assume(count_logs(root) > 0)
+    root = draw(in_outer_scan(root))
+    x0, z0 = draw(inputs(draw(x_shapes), batch))
+    z_axis = None
+    if batch is not None:
+        sources = _predicate_sources(root)
+        assume(sources)
+        offsets = np.linspace(-1.0, 1.0, batch, dtype=np.float32)
+        x0 = x0 + draw(st.sampled_from([0.5, 1.0])) * offsets.reshape(
+            (-1,) + (1,) * len(x0[0].shape)
+        )
+        if "x" not in sources or draw(st.booleans()):
+            z_axis, z0 = 0, z0 + draw(st.sampled_from([0.5, 1.0])) * offsets[::-1]
+    spec = draw(reductions(bounded=_bounded(root), kind=kind))
+    return root, x0, z0, z_axis, spec, draw(st.sampled_from([1, 2, 3]))
+
+
+@st.composite
+def in_outer_scan(draw, root):
+    """`root`, or (half the time, for more events) `root` as the body of a scan."""
+    if not draw(st.booleans()):
+        return root
+    return Seq((Scan(draw(st.integers(2, 4)), draw(st.booleans()), 1, False, root),))
+
+
+def _predicate_sources(node) -> set[str]:
+    """What the predicates of conds, switches and state-dependent while loops read."""
+    out = {node.on} if isinstance(node, Cond | Switch | While) and node.on else set()
+    for field in dataclasses.fields(node):
+        value = getattr(node, field.name)
+        for child in value if isinstance(value, tuple) else [value]:
+            if dataclasses.is_dataclass(child):
+                out |= _predicate_sources(child)
+    return out
+
+
+TAGS = ("train", "debug", "eval")
+_PATTERNS = ("a", "b", "c", "n", "[ab]", "[!a]", "?", "*", "b*", "x")
+
+
+@st.composite
+def policy_cases(draw):
+    """`(root, x0, z0, config, policy_kwargs, spool_kwargs)`: a program whose logs carry
+    random tags (half the time in an outer scan), a random `Config` (rules, call-site
+    reductions, tag filters, interval, prefix, window), and how it is passed: each field to
+    `Policy`, to `spool`, or to both (the `Policy` then gets a decoy that `spool`'s keyword
+    must override)."""
+    root = draw(programs(tags=TAGS))
+    assume(count_logs(root) > 0)
+    root = draw(in_outer_scan(root))
+    x0, z0 = draw(inputs(draw(x_shapes)))
+    subsets = st.lists(st.sampled_from(TAGS), unique=True).map(tuple)
+    specs = reductions(fanout=False)
+    patterns = draw(st.lists(st.sampled_from(_PATTERNS), unique=True, max_size=3))
+    rules = tuple((p, draw(st.one_of(st.just("drop"), specs, specs))) for p in patterns)
+    site = ()
+    if draw(st.booleans()):
+        site = tuple((k, draw(st.one_of(st.none(), specs))) for k in "abc")
+    window = draw(st.one_of(st.none(), st.integers(1, 3)))
+    config = Config(
+        reduce=draw(reductions(fanout=window is None)),  # no Window of a Fanout
+        interval=draw(st.sampled_from([1, 2, 3])),
+        tags=draw(st.one_of(st.none(), st.none(), subsets)),
+        exclude=draw(subsets),
+        rules=rules,
+        prefix=draw(st.sampled_from(["", "run/", "p_"])),
+        site=site,
+        window=window,
+    )
+    decoys = dict(
+        reduce="count", interval=4, tags=("eval",), exclude=TAGS, prefix="decoy/", window=5
+    )
+    policy_kw = {"rules": {p: r if r == "drop" else make_reduction(r) for p, r in rules}}
+    spool_kw = {}
+    for field, decoy in decoys.items():
+        value = getattr(config, field)
+        if field == "reduce":
+            value = make_reduction(value)
+        elif field in ("tags", "exclude") and value is not None and len(value) == 1:
+            value = value[0] if draw(st.booleans()) else value  # a single tag as a string
+        where = draw(st.sampled_from(["policy", "spool", "both"]))
+        if where == "both" and value is None:
+            where = "policy"  # spool(tags=None) keeps the policy's tags (window too)
+        if where in ("spool", "both"):
+            spool_kw[field] = value
+        if where == "policy":
+            policy_kw[field] = value
+        elif where == "both":
+            policy_kw[field] = decoy
+    return root, x0, z0, config, policy_kw, spool_kw
 
 
 SETTINGS = dict(
@@ -538,6 +942,84 @@ def test_oracle_flags_ties():
     root = Cond("x", 1.0, Log((("a", 0),)), Update(0))
     assert Oracle(root, np.float32(0.5), 0.5).tie
     assert not Oracle(root, np.float32(0.5), 0.6).tie
+
+
+def test_reference_reductions():
+    """The numpy references of the reductions, against hand-written values."""
+    events = [np.float32(v) for v in (1.0, 3.0, 2.0, 6.0, 4.0)]
+
+    def ref(spec, bound=6, evs=events, shape=(), dtype=np.float32):
+        return reference(spec, evs, bound, shape, dtype)
+
+    for spec, want in [
+        (("mean",), 3.2),
+        (("sum",), 16.0),
+        (("var",), 2.96),  # population variance
+        (("std",), np.sqrt(2.96)),
+        (("first",), 1.0),
+        (("last",), 4.0),
+        (("min",), 1.0),
+        (("max",), 6.0),
+        (("ema", 0.5), 3.96875 / 0.96875),  # bias-corrected
+        (("ema", 0.0), 4.0),
+        (("stack",), [1, 3, 2, 6, 4, NAN]),
+        (("stack", 3, "first"), [1, 3, 2]),
+        (("stack", 3, "last"), [2, 6, 4]),  # oldest first
+        (("stack", 7, "last"), [1, 3, 2, 6, 4, NAN, NAN]),
+        (("window", 2, ("sum",), None), [4, 8, 4]),  # a trailing partial window
+        (("window", 2, ("mean",), 2), [2, 4]),
+        (("window", 3, ("max",), None), [3, 6]),
+    ]:
+        got = ref(spec)
+        assert got.dtype == np.float32, spec
+        np.testing.assert_allclose(got, np.array(want, np.float32), rtol=1e-6, err_msg=str(spec))
+    assert ref(("count",)).dtype == np.int32 and ref(("count",)) == 5
+    window = ref(("window", 2, ("count",), None), bound=8)
+    np.testing.assert_array_equal(window, np.array([2, 2, 1, 0], np.int32))  # ints pad with 0
+    fan = ref(("fanout", (("p", ("min",)), ("q", ("stack", 1, "last")))))
+    np.testing.assert_array_equal(fan["p"], 1.0)
+    np.testing.assert_array_equal(fan["q"], [4.0])
+    pairs = [np.array([1, 2], np.float32), np.array([3, 4], np.float32)]
+    got = ref(("collect",), bound=3, evs=pairs, shape=(2,))
+    np.testing.assert_array_equal(got, np.array([1, 2, 3, 4, NAN, NAN], np.float32))
+    # no events: NaN (floats) or 0 (ints), sum 0, count 0
+    for spec, dtype, want, want_dtype in [
+        (("mean",), np.float32, NAN, np.float32),
+        (("mean",), np.int32, NAN, np.float32),
+        (("std",), np.int32, NAN, np.float32),
+        (("ema", 0.5), np.int32, NAN, np.float32),
+        (("min",), np.float32, NAN, np.float32),
+        (("max",), np.int32, 0, np.int32),
+        (("last",), np.int32, 0, np.int32),
+        (("sum",), np.int32, 0, np.int32),
+        (("count",), np.float32, 0, np.int32),
+    ]:
+        got = reference(spec, [], 0, (), dtype)
+        assert got.dtype == want_dtype, (spec, dtype)
+        np.testing.assert_array_equal(got, want, err_msg=str(spec))
+    assert reference(("window", 2, ("mean",), None), [], 0, (3,), np.float32).shape == (0, 3)
+
+
+def test_config_reduction_and_selection():
+    """The test's model of Policy: the first matching rule wins, then the call site's
+    reduction, then the default; `window` wraps all but "drop"; tags and exclude."""
+    config = Config(
+        reduce=("mean",),
+        rules=(("b*", "drop"), ("[ab]", ("max",)), ("*", ("sum",))),
+        site=(("a", ("min",)), ("c", ("last",))),
+    )
+    assert config.reduction("a") == ("max",)
+    assert config.reduction("b") == "drop"
+    assert config.reduction("c") == ("sum",)
+    assert Config(reduce=("mean",), site=(("a", ("min",)),)).reduction("a") == ("min",)
+    assert Config(reduce=("mean",), site=(("a", None),)).reduction("a") == ("mean",)
+    windowed = Config(reduce=("mean",), window=2, rules=(("b", "drop"),))
+    assert windowed.reduction("a") == ("window", 2, ("mean",), None)
+    assert windowed.reduction("b") == "drop"
+    config = Config(tags=("train", "eval"), exclude=("debug",))
+    assert config.selects(("train",)) and config.selects(("eval", "x"))
+    assert not config.selects(()) and not config.selects(("train", "debug"))
+    assert Config().selects(()) and not Config(tags=()).selects(("train",))
 
 
 # ----------------------------------------------------------------------------------------
@@ -648,6 +1130,66 @@ def test_capacity_stack_matches_oracle(case, capacity, keep):
     assert_logs(logs, *o.expected(capacity, keep))
 
 
+@settings(max_examples=100, **SETTINGS)
+@given(reduction_cases())
+def test_reductions_match_oracle(case):
+    """spool(f, reduce=..., interval=k) for every reduction (by name, EMA, Stack with a
+    capacity, Collect, Window, Fanout) against numpy applied to the oracle's events; while
+    loops too (buffers then get a capacity)."""
+    root, x0, z0, _, spec, interval = case
+    o = oracle(root, x0, z0)
+    config = Config(reduce=spec, interval=interval)
+    f = as_function(root)
+    (x, z), logs = eqx_logs.spool(f, reduce=make_reduction(spec), interval=interval)(x0, z0)
+    assert_close(x, o.out[0], "x")
+    assert_close(z, o.out[1], "z")
+    assert_reduced(logs, expected_reduced(o, config))
+
+
+@settings(max_examples=80, **SETTINGS)
+@given(policy_cases())
+def test_policy_matches_oracle(case):
+    """A random Policy (rules with "drop", call-site reductions, tags and exclude against
+    tagged logs, interval, prefix), its fields split between Policy and spool's keywords."""
+    root, x0, z0, config, policy_kw, spool_kw = case
+    o = oracle(root, x0, z0)
+    site = {k: None if r is None else make_reduction(r) for k, r in config.site}
+    f = as_function(root, site if config.site else None)
+    policy = eqx_logs.Policy(**policy_kw)
+    (x, z), logs = eqx_logs.spool(f, policy=policy, **spool_kw)(x0, z0)
+    assert_close(x, o.out[0], "x")
+    assert_close(z, o.out[1], "z")
+    assert_reduced(logs, expected_reduced(o, config))
+
+
+LANES = 3
+
+
+@settings(max_examples=50, **SETTINGS)
+@given(reduction_cases(batch=LANES))
+def test_batched_predicates_match_oracle_per_lane(case):
+    """Conds, switches and while loops whose predicates read the batched state: under
+    spool(vmap(f)) each lane counts only its own events (untaken branches and finished
+    while lanes add nothing), equal to the oracle run per lane and to vmap(spool(f))."""
+    root, xs, z0, z_axis, spec, interval = case
+    zs = z0 if z_axis == 0 else [z0] * LANES
+    lanes = [oracle(root, x, z) for x, z in zip(xs, zs)]
+    config = Config(reduce=spec, interval=interval)
+    expected = [expected_reduced(o, config) for o in lanes]
+    want_x = np.stack([o.out[0] for o in lanes])
+    want_z = np.stack([o.out[1] for o in lanes])
+    f, reduce = as_function(root), make_reduction(spec)
+    transforms = (
+        (True, eqx_logs.spool(jax.vmap(f, (0, z_axis)), reduce=reduce, interval=interval)),
+        (False, jax.vmap(eqx_logs.spool(f, reduce=reduce, interval=interval), (0, z_axis))),
+    )
+    for event_first, transformed in transforms:
+        (x, z), logs = transformed(xs, z0)
+        assert_close(x, want_x, "x")
+        assert_close(np.broadcast_to(z, want_z.shape), want_z, "z")
+        assert_reduced(logs, combine_lanes(expected, event_first), extra_slots=event_first)
+
+
 # ----------------------------------------------------------------------------------------
 # Regressions found by the generator (shrunk by hand)
 # ----------------------------------------------------------------------------------------
@@ -722,3 +1264,81 @@ def test_grad_keeps_loop_invariant_logs_in_the_loop(fn, want):
     assert "a" in logs, "the key disappeared under grad"
     np.testing.assert_allclose(np.asarray(logs["a"]), want, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(logs.count["a"]), len(want))
+
+
+# ----------------------------------------------------------------------------------------
+# eqx_logs bugs found by the reduction and batched-predicate generators (strict xfails: they
+# fail until the library is fixed; then remove the marker, and the workaround named)
+# ----------------------------------------------------------------------------------------
+
+
+def _log_in_empty_scan(x):
+    def body(c, _):
+        eqx_logs.log("a", c)
+        return c, None
+
+    return lax.scan(body, x, None, length=0)[0]
+
+
+@pytest.mark.parametrize(
+    "reduce",
+    [eqx_logs.Window(2, "mean"), eqx_logs.Fanout(w=eqx_logs.Window(1, "sum"), m="mean")],
+    ids=["window", "fanout"],
+)
+def test_window_of_a_key_without_events(reduce):
+    """ceil(0 / size) = 0 windows: shape (0,), count 0, as Stack and Collect give."""
+    _, logs = eqx_logs.spool(_log_in_empty_scan, reduce=reduce)(jnp.float32(1.0))
+    out = logs["a"]["w"] if isinstance(reduce, eqx_logs.Fanout) else logs["a"]
+    assert out.shape == (0,)
+    assert int(logs.count["a"]) == 0
+
+
+def _log_in_both_branches(x):
+    lax.cond(x > 0, lambda: eqx_logs.log("a", x), lambda: eqx_logs.log("a", -x))
+    return x
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="eqx_logs: under spool(vmap(f)) a cond with a batched predicate bounds its events "
+    "by the sum over its branches, not the max, so Stack/Collect/Window get extra NaN slots "
+    "and differ in shape from vmap(spool(f))",
+)
+@pytest.mark.parametrize("reduce", ["stack", "collect", eqx_logs.Window(1, "sum")])
+def test_batched_cond_bound_is_max_over_branches(reduce):
+    """One event per lane whichever branch runs: the static bound is 1, as without vmap.
+    (The random test tolerates the extra padding slots: `assert_reduced(extra_slots=True)`.)"""
+    xs = jnp.array([1.0, -2.0, 3.0])
+    _, outer = jax.vmap(eqx_logs.spool(_log_in_both_branches, reduce=reduce))(xs)
+    np.testing.assert_array_equal(outer["a"], [[1.0], [2.0], [3.0]])
+    _, inner = eqx_logs.spool(jax.vmap(_log_in_both_branches), reduce=reduce)(xs)
+    assert inner["a"].shape == (1, 3), inner["a"]
+    np.testing.assert_array_equal(inner["a"], [[1.0, 2.0, 3.0]])
+
+
+def _index_inside_and_outside_batched_cond(x):
+    def step(c, i):
+        eqx_logs.log("n", i)  # unbatched under vmap
+        lax.cond(x > 0, lambda: eqx_logs.log("n", i), lambda: None)  # made batched by the mask
+        return c, None
+
+    return lax.scan(step, x, jnp.arange(2))[0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="eqx_logs: under spool(vmap(f)) a key logged with an unbatched value both outside "
+    "and inside a cond with a batched predicate raises 'logged with shape (2,) and with "
+    "shape ()', while vmap(spool(f)) works",
+)
+def test_unbatched_value_inside_and_outside_a_batched_cond():
+    """(Why the batched random test never logs the loop index `n`.)"""
+    xs = jnp.array([1.0, -2.0])
+    _, outer = jax.vmap(eqx_logs.spool(_index_inside_and_outside_batched_cond))(xs)
+    np.testing.assert_array_equal(outer["n"], [[0, 0, 1, 1], [0, 1, 0, 0]])
+    np.testing.assert_array_equal(outer.count["n"], [4, 2])
+    _, inner = eqx_logs.spool(jax.vmap(_index_inside_and_outside_batched_cond))(xs)
+    np.testing.assert_array_equal(inner["n"], np.moveaxis(np.asarray(outer["n"]), 0, 1))
+    np.testing.assert_array_equal(inner.count["n"], [4, 2])
