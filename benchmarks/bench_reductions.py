@@ -113,15 +113,6 @@ def bench_memory(summary: bench_core.Summary, n: int, steps: int, check: bool) -
     print(f"  for reference, stacking every event first (lox): a {mib(lox_temp)} temporary")
 
 
-def train_mean(params, data):
-    def body(params, batch):
-        params, (loss, gn, lr) = bench_core.train_step(params, batch)
-        eqx_logs.log({"loss": loss, "grad_norm": gn, "lr": lr})
-        return params, None
-
-    return lax.scan(body, params, data)[0]
-
-
 def train_handwritten_mean(params, data):
     def body(carry, batch):
         params, mean, i = carry
@@ -136,7 +127,7 @@ def train_handwritten_mean(params, data):
 def bench_runtime(summary: bench_core.Summary, repeats: int) -> None:
     params = bench_core.init_params(jax.random.key(0))
     data = bench_core.synthetic_data(jax.random.key(1))
-    ours = jax.jit(eqx_logs.spool(train_mean, reduce="mean"))
+    ours = jax.jit(eqx_logs.spool(bench_core.train_logged, reduce="mean"))
     reference = jax.jit(train_handwritten_mean)
     (_, logs), (_, mean, _) = ours(params, data), reference(params, data)
     np.testing.assert_allclose(

@@ -25,15 +25,6 @@ def data(key):
     return jax.numpy.arange(STEPS, dtype=jax.numpy.float32) / STEPS * bench_core.STEPS, x, y
 
 
-def logged(params, data):
-    def body(params, batch):
-        params, (loss, gn, lr) = bench_core.train_step(params, batch)
-        eqx_logs.log({"loss": loss, "grad_norm": gn, "lr": lr})
-        return params, None
-
-    return lax.scan(body, params, data)[0]
-
-
 def with_debug_callback(params, data):
     def body(params, batch):
         params, metrics = bench_core.train_step(params, batch)
@@ -54,7 +45,9 @@ def main() -> int:
     variants = {
         "log-free": jax.jit(bench_core.train_plain),
         "tap(interval=100)": jax.jit(
-            eqx_logs.tap(logged, interval=100, callback=lambda logs, steps: calls.append(1))
+            eqx_logs.tap(
+                bench_core.train_logged, interval=100, callback=lambda logs, steps: calls.append(1)
+            )
         ),
         "debug.callback every step": jax.jit(with_debug_callback),
     }
