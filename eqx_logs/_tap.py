@@ -36,9 +36,10 @@ class _TapInterpreter(Interpreter):
     """Evaluates a jaxpr, turning each selected log event into an ordered host callback,
     gated on the device by the policy's interval (a per-key event counter is threaded)."""
 
-    def __init__(self, policy: Policy, callback: Callable):
+    def __init__(self, policy: Policy, sink: Callable, context: Any):
         super().__init__(policy, RULES)
-        self.callback = callback
+        self.sink = sink
+        self.context = context
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
@@ -92,9 +93,9 @@ class _TapInterpreter(Interpreter):
                 states[g] = states[g] + happened.astype(jnp.int32)
         values = {k: items[k] for k in keys}
         group_of = {k: self._group[k] for k in keys}
-        prefix, callback = self.policy.prefix, self.callback
+        prefix, sink = self.policy.prefix, self.sink
 
-        def host(values, steps, wanted, mask):
+        def host(context, values, steps, wanted, mask):
             values, steps = jax.tree.map(np.asarray, (values, steps))
             if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
                 mask = np.asarray(mask)
@@ -109,10 +110,10 @@ class _TapInterpreter(Interpreter):
                 values = jax.tree.map(hide, values)
             logs = {prefix + k: v for k, v in values.items() if bool(wanted[group_of[k]])}
             if logs:
-                callback(logs, steps)
+                sink(context, logs, steps)
 
         def emit():
-            jax.debug.callback(host, values, steps, wanted, mask, ordered=True)
+            jax.debug.callback(host, self.context, values, steps, wanted, mask, ordered=True)
 
         lax.cond(functools.reduce(jnp.logical_or, wanted.values()), emit, lambda: None)
 
@@ -166,17 +167,29 @@ def tap(
         return functools.partial(tap, callback=callback, policy=policy)
     if not callable(fun):
         raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
-    callback = print_callback if callback is None else callback
+    sink = _Callback(print_callback if callback is None else callback)
 
     @functools.wraps(fun)
     def tapped(*args, **kwargs):
-        return _tap_call(fun, policy, callback, current_prefix(), args, kwargs)
+        return tap_call(fun, policy, sink, current_prefix(), None, args, kwargs)
 
     return tapped
 
 
+class _Callback(eqx.Module):
+    """A user's `callback(logs, steps)` as a sink (static, so jit caches on its identity)."""
+
+    callback: Callable = eqx.field(static=True)
+
+    def __call__(self, context: None, logs: dict[str, Any], steps: dict[str, Any]) -> None:
+        self.callback(logs, steps)
+
+
 @eqx.filter_jit
-def _tap_call(fun, policy, callback, scope, args, kwargs):
-    del scope  # part of the cache key only
+def tap_call(fun, policy, sink, scope, context, args, kwargs):
+    """Run `fun(*args, **kwargs)`, calling `sink(context, logs, steps)` on the host for each
+    selected event. `context` (a pytree of arrays) is passed through to every call; `scope` is
+    part of the cache key only."""
+    del scope
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    return rebuild(_TapInterpreter(policy, callback).run(closed, flat))
+    return rebuild(_TapInterpreter(policy, sink, context).run(closed, flat))

@@ -4,8 +4,8 @@ Importing this module registers, in the ConfigStore:
 
 - group `logging`, name `base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy`
   into an `eqx_logs.Policy`;
-- group `logger`, names `console_base` and `jsonl_base`: `ConsoleLoggerConfig`,
-  `JsonlLoggerConfig`.
+- group `logger`, one `<name>_base` per backend: `console_base`, `jsonl_base`, `array_base`,
+  `tensorboard_base`, `wandb_base`, `mlflow_base`, `progress_base` (`ConsoleLoggerConfig`, ...).
 
 YAML files extend them (`defaults: [base, _self_]`), and `hydra.utils.instantiate(cfg.logging)`
 returns a Policy, `instantiate(cfg.logger)` a logger. Reductions are names (`reduce: mean`) or
@@ -39,13 +39,53 @@ class PolicyConfig:
 @dataclass
 class ConsoleLoggerConfig:
     _target_: str = "eqx_logs.loggers.ConsoleLogger"
-    last_only: bool = True
+    last_only: bool = False
 
 
 @dataclass
 class JsonlLoggerConfig:
     _target_: str = "eqx_logs.loggers.JsonlLogger"
     path: str = "logs.jsonl"
+
+
+@dataclass
+class ArrayLoggerConfig:
+    _target_: str = "eqx_logs.loggers.ArrayLogger"
+    path: str = "arrays"
+
+
+@dataclass
+class TensorBoardLoggerConfig:
+    _target_: str = "eqx_logs.loggers.TensorBoardLogger"
+    logdir: str = "tensorboard"
+    step: str = "step"
+
+
+@dataclass
+class WandbLoggerConfig:
+    _target_: str = "eqx_logs.loggers.WandbLogger"
+    project: str | None = None
+    name: str = "eqx_logs"
+    dir: str | None = "."
+    mode: str | None = None  # "offline" writes locally (`wandb sync` later)
+    step: str = "step"
+
+
+@dataclass
+class MLflowLoggerConfig:
+    _target_: str = "eqx_logs.loggers.MLflowLogger"
+    tracking_uri: str = "sqlite:///mlflow.db"
+    experiment: str = "eqx_logs"
+    run_name: str = "run"
+    step: str = "step"
+
+
+@dataclass
+class ProgressLoggerConfig:
+    _target_: str = "eqx_logs.loggers.ProgressLogger"
+    total: int | None = None
+    desc: str | None = None
+    step: str = "step"
 
 
 def _plain(x: Any) -> Any:
@@ -120,8 +160,16 @@ def policy(
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="logging", name="base", node=PolicyConfig)
-    cs.store(group="logger", name="console_base", node=ConsoleLoggerConfig)
-    cs.store(group="logger", name="jsonl_base", node=JsonlLoggerConfig)
+    for name, node in (
+        ("console", ConsoleLoggerConfig),
+        ("jsonl", JsonlLoggerConfig),
+        ("array", ArrayLoggerConfig),
+        ("tensorboard", TensorBoardLoggerConfig),
+        ("wandb", WandbLoggerConfig),
+        ("mlflow", MLflowLoggerConfig),
+        ("progress", ProgressLoggerConfig),
+    ):
+        cs.store(group="logger", name=f"{name}_base", node=node)
 
 
 register_configs()

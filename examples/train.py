@@ -6,12 +6,15 @@
     python examples/train.py logging=debug
     python examples/train.py --multirun logging.interval=1,10
 
-The training steps are scanned inside `eqx.filter_jit`; `eqx_logs.spool(policy=...)` inside
-the jitted call collects the logs, reduced on the device as the policy says; the logger writes
-them into Hydra's run directory after every chunk of steps.
-"""
+    python examples/train.py logger=tensorboard       # or wandb, mlflow, array, multi
+    python examples/train.py logger=progress train.stream=true
+    python -m eqx_logs plot outputs/<date>/<time> -o curves.png
 
-import os
+The training steps are scanned inside `eqx.filter_jit`. `logger.spool(run, state, policy=...)`
+inside the jitted call collects the logs, reduced on the device as the policy says, and the
+logger writes them into Hydra's run directory (on a background thread) after every chunk of
+steps. With `train.stream=true`, `logger.tap` writes each selected event as it happens instead.
+"""
 
 import equinox as eqx
 import hydra
@@ -48,8 +51,8 @@ def loss_fn(model, x, y):
 
 
 @eqx.filter_jit
-def train_chunk(model, policy, x, y, lr, start, num_steps):
-    """`num_steps` SGD steps, scanned; returns the new model and the spooled logs."""
+def train_chunk(model, logger, state, policy, stream, x, y, lr, start, num_steps):
+    """`num_steps` SGD steps, scanned; the logger writes their logs. Returns the new model."""
     params, static = eqx.partition(model, eqx.is_array)
 
     def step(params, i):
@@ -65,8 +68,11 @@ def train_chunk(model, policy, x, y, lr, start, num_steps):
     def run(params):
         return jax.lax.scan(step, params, jnp.arange(num_steps))[0]
 
-    params, logs = eqx_logs.spool(run, policy=policy)(params)
-    return eqx.combine(params, static), logs
+    if stream:  # each selected event as it happens (interval, tags, exclude; no reduction)
+        params = logger.tap(run, state, policy=policy)(params)
+    else:
+        params = logger.spool(run, state, policy=policy)(params)
+    return eqx.combine(params, static)
 
 
 def dataset(key, batch):
@@ -94,21 +100,21 @@ def main(cfg: DictConfig) -> float:
     x, y = dataset(kdata, train.batch)
     model = MLP(train.width, kmodel)
     first = float(loss_fn(model, x, y))
-    written: set[str] = set()
     with instantiate(cfg.logger) as logger:
+        state = logger.init(train.run)
         for start in range(0, train.steps, train.chunk):
-            model, logs = train_chunk(model, policy, x, y, train.lr, start, train.chunk)
-            logger.write(logs)
-            written.update(logs)
+            model = train_chunk(
+                model, logger, state, policy, train.stream, x, y, train.lr, start, train.chunk
+            )
+    # leaving the `with` block waited for the writer thread and closed the files
     final = float(loss_fn(model, x, y))
-    out = HydraConfig.get().runtime.output_dir
-    where = os.path.join(out, logger.path) if hasattr(logger, "path") else "the console"
     print(f"loss {first:.4f} -> {final:.4f} after {train.steps} steps")
+    how = "tap" if train.stream else f"spool, {type(policy.reduce).__name__}"
     print(
-        f"logged {sorted(written)} with {type(policy.reduce).__name__}, interval={policy.interval}"
-        f", window={policy.window}, tags={policy.tags}, exclude={policy.exclude}"
+        f"logged with {how}, interval={policy.interval}, window={policy.window}, "
+        f"tags={policy.tags}, exclude={policy.exclude}"
     )
-    print(f"written to {where}")
+    print(f"written by {type(logger).__name__} in {HydraConfig.get().runtime.output_dir}")
     return final
 
 

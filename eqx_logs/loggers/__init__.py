@@ -1,5 +1,17 @@
-"""Loggers: where spooled logs go on the host."""
+"""Loggers: write spooled or tapped logs to a backend, on a background thread."""
 
-from ._base import AbstractLogger as AbstractLogger, records as records
+from ._array import ArrayLogger as ArrayLogger, read_arrays as read_arrays
+from ._base import (
+    AbstractLogger as AbstractLogger,
+    LoggerState as LoggerState,
+    records as records,
+    safe_name as safe_name,
+)
 from ._console import ConsoleLogger as ConsoleLogger
 from ._jsonl import JsonlLogger as JsonlLogger, read_jsonl as read_jsonl
+from ._mlflow import MLflowLogger as MLflowLogger
+from ._multi import MultiLogger as MultiLogger
+from ._progress import ProgressLogger as ProgressLogger
+from ._tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._wandb import WandbLogger as WandbLogger
+from ._writer import WriterError as WriterError

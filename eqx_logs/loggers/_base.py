@@ -1,19 +1,29 @@
-"""AbstractLogger, and turning a LogDict into host-side records."""
+"""AbstractLogger: spool or tap a function into a backend, written on a background thread."""
 
 import abc
 import math
 import re
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
 from .._logdict import LogDict
+from .._policy import Policy
+from .._primitive import current_prefix
+from .._spool import spool as _spool
+from .._tap import tap_call
+from ._writer import Writer
+
+_T = TypeVar("_T")
+Record = dict[str, Any]
 
 
-def records(logs: LogDict) -> Iterator[dict[str, Any]]:
+def records(logs: LogDict) -> Iterator[Record]:
     """One record per event for stacked keys (the real rows only), one per key otherwise:
     `{"key": ..., "value": ..., "count": ..., <step name>: ...}`, all plain Python/numpy."""
     logs = jax.device_get(logs)
@@ -39,14 +49,16 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 
 
 def safe_name(key: str) -> str:
-    """`key` as a file name that stays inside its directory: `../../x` becomes `x`."""
+    """`key` as a file name that stays inside its directory: `../../x` becomes `x`,
+    `a/b` becomes `a__b`, and anything outside `[A-Za-z0-9._=-]` becomes `_`."""
     parts = [_UNSAFE.sub("_", p) for p in key.split("/")]
-    parts = [p for p in parts if p not in ("", ".", "..")]
+    parts = [p for p in parts if p.strip(".")]
     return "__".join(parts) or "_"
 
 
 def to_python(x: Any) -> Any:
-    """JSON-friendly: numpy scalars and arrays to Python numbers and lists (NaN kept)."""
+    """JSON-friendly: numpy scalars and arrays to Python numbers and lists; NaN and infinities
+    become the strings `"nan"`, `"inf"`, `"-inf"`."""
     if isinstance(x, dict):
         return {k: to_python(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
@@ -58,19 +70,206 @@ def to_python(x: Any) -> Any:
     return [to_python(v) for v in arr]
 
 
+def flat_items(key: str, value: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """A (possibly pytree) value as `(key/path, array)` pairs: `{"a": x}` under `k` gives
+    `("k/a", x)`."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+        name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
+        yield (f"{key}/{name}" if name else key), np.asarray(leaf)
+
+
+def is_scalar(x: np.ndarray) -> bool:
+    """A single real number (a 0-d or one-element bool, integer or float array)."""
+    return x.size == 1 and (np.issubdtype(x.dtype, np.number) or x.dtype == bool)
+
+
+def require(module: str, extra: str, who: str) -> Any:
+    """Import an optional backend, or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(
+            f"{who} needs {module.split('.')[0]}: pip install 'eqx_logs[{extra}]'"
+        ) from e
+
+
+def steps_of(record: Record) -> dict[str, Any]:
+    """The step values of a record (everything but key and value)."""
+    return {k: v for k, v in record.items() if k not in ("key", "value")}
+
+
+class LoggerState(eqx.Module):
+    """What `AbstractLogger.init` returns: the run this state writes to. Under `jax.vmap`
+    over states each lane writes to its own run."""
+
+    run: Int[Array, ""]
+
+
+def _run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
+    if key is None:
+        return jnp.int32(0)
+    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        return jax.random.randint(key, (), 0, 2**31 - 1, dtype=jnp.int32)
+    if key.dtype == jnp.uint32 and key.shape == (2,):  # a raw `jax.random.PRNGKey`
+        return jax.random.randint(key, (), 0, 2**31 - 1, dtype=jnp.int32)
+    if key.shape != () or not jnp.issubdtype(key.dtype, jnp.integer):
+        raise TypeError(
+            "logger.init(key) takes a jax.random.key, an integer run index or None; got an "
+            f"array of shape {key.shape} and dtype {key.dtype}. For one run per seed use "
+            "`jax.vmap(logger.init)(jax.random.split(key, n))`."
+        )
+    return key.astype(jnp.int32)
+
+
+def _policy(policy: Policy | None, **overrides: Any) -> Policy:
+    if policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"policy=... takes an eqx_logs.Policy, got {policy!r}.")
+    return policy.replace(**overrides)
+
+
 class AbstractLogger(eqx.Module):
-    """Writes LogDicts somewhere on the host. Loggers are Equinox modules; use them as
-    context managers (or call `close()`) so that everything is flushed."""
+    """Writes logs to a backend. Loggers are Equinox modules.
+
+    - `state = logger.init(key)` gives a [`eqx_logs.loggers.LoggerState`][] (the run index);
+    - `logger.spool(fun, state)(...)` runs `fun`, spools its logs and writes them;
+    - `logger.tap(fun, state)(...)` writes each event as it happens;
+    - `logger.write(logs)` writes a `LogDict` you spooled yourself;
+    - `logger.flush()` waits until everything is written; `logger.close()` (or `with logger:`)
+        also closes files and runs.
+
+    Both wrappers work inside `jax.jit`, `eqx.filter_jit` and `jax.vmap`: under `vmap` over
+    states (`jax.vmap(logger.init)(jnp.arange(4))`) each lane writes to its own run.
+
+    Writing happens on a background thread, in order. If the backend raises there, the error is
+    raised (as a `WriterError`) by the next call into the logger.
+
+    Subclasses implement `_open(run) -> handle`, `_write(handle, run, records)` and optionally
+    `_close(handle)`; all three run on the writer thread.
+    """
+
+    _writer: Writer = eqx.field(
+        static=True, default_factory=lambda: Writer("logger"), repr=False, init=False
+    )
+
+    # --- the backend, run on the writer thread -------------------------------------------
 
     @abc.abstractmethod
-    def write(self, logs: LogDict) -> None:
-        """Write everything in `logs` (as returned by `spool`)."""
+    def _open(self, run: int) -> Any:
+        """Open run `run` (files, a remote run, ...) and return its handle."""
+
+    @abc.abstractmethod
+    def _write(self, handle: Any, run: int, records: list[Record]) -> None:
+        """Write `records` (each `{"key", "value", <step names>...}`) to run `run`."""
+
+    def _close(self, handle: Any) -> None:
+        """Close what `_open` returned."""
+
+    # --- the public API --------------------------------------------------------------------
+
+    def init(self, key: PRNGKeyArray | ArrayLike | None = None) -> LoggerState:
+        """A new state. `key` picks the run: `None` is run 0, an integer is that run, and a
+        `jax.random.key` gives a run index drawn from it. Vmap over keys or integers for one run
+        per lane."""
+        return LoggerState(run=_run_index(key))
+
+    def spool(
+        self,
+        fun: Callable[..., _T],
+        state: LoggerState,
+        /,
+        *,
+        policy: Policy | None = None,
+        **options: Any,
+    ) -> Callable[..., _T]:
+        """`fun`, spooled as by `eqx_logs.spool(fun, policy=policy, **options)`; the logs are
+        written to `state`'s run when the call completes, and `fun`'s output is returned."""
+        policy = _policy(policy, **options)
+
+        def spooled(*args, **kwargs):
+            self._check()
+            out, logs = _spool(fun, policy=policy)(*args, **kwargs)
+            jax.debug.callback(self._spool_host, state, logs, ordered=True)
+            return out
+
+        return spooled
+
+    def tap(
+        self,
+        fun: Callable[..., _T],
+        state: LoggerState,
+        /,
+        *,
+        policy: Policy | None = None,
+        interval: int | None = None,
+        tags: Any = None,
+        exclude: Any = None,
+        prefix: str | None = None,
+    ) -> Callable[..., _T]:
+        """`fun`, tapped as by `eqx_logs.tap`: each event is written to `state`'s run as it
+        happens (`interval=k` writes every k-th event of each key, gated on the device)."""
+        policy = _policy(policy, interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+
+        def tapped(*args, **kwargs):
+            self._check()
+            return tap_call(fun, policy, self._tap_host, current_prefix(), state, args, kwargs)
+
+        return tapped
+
+    def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
+        """Write `logs` (as returned by `eqx_logs.spool`) to `state`'s run (default run 0)."""
+        self._check()
+        self._spool_host(self.init() if state is None else state, logs)
+
+    def flush(self) -> None:
+        """Wait for pending host callbacks and writes; raise any error of the writer."""
+        jax.effects_barrier()
+        self._writer.flush()
 
     def close(self) -> None:
-        """Flush and release resources."""
+        """Flush, then close every run's files or remote run. The logger may be used again
+        afterwards (runs are reopened, appending)."""
+        jax.effects_barrier()
+        self._writer.close()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        self._writer.check()
+
+    def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
+        self._submit(int(state.run), list(records(logs)))
+
+    def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
+        rows = [{"key": key, "value": value, **steps} for key, value in logs.items()]
+        self._submit(int(state.run), rows)
+
+    def _submit(self, run: int, rows: list[Record]) -> None:
+        writer = self._writer
+        if writer.finish is None:
+            writer.name = type(self).__name__
+            writer.finish = self._finish
+        writer.submit(self._write_run, (run, rows))
+
+    def _write_run(self, item: tuple[int, list[Record]]) -> None:
+        run, rows = item
+        handles = self._writer.handles
+        if run not in handles:
+            handles[run] = self._open(run)
+        self._write(handles[run], run, rows)
+
+    def _finish(self) -> None:
+        handles = self._writer.handles
+        while handles:
+            _, handle = handles.popitem()
+            self._close(handle)

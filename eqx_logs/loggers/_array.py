@@ -1,0 +1,68 @@
+import os
+import re
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+from ._base import AbstractLogger, Record, flat_items, safe_name
+
+_FILE = re.compile(r"^(\d+)\.npz$")
+
+
+class ArrayLogger(AbstractLogger):
+    """Saves every event as its own `.npz` file, for large arrays: the value (each leaf of a
+    pytree value under its path), its step values, and the key, at
+    `path/run_<run>/<safe key>/<index>.npz`. Each file is written to a temporary name and then
+    renamed, so a crash never leaves a half-written file. Appends to existing runs. Read back
+    with `eqx_logs.loggers.read_arrays` (which never unpickles).
+
+    **Arguments:**
+
+    - `path`: the directory.
+    """
+
+    path: str = eqx.field(converter=os.fspath)
+
+    def _open(self, run: int) -> dict[str, int]:
+        return {}  # key -> next file index
+
+    def _write(self, handle: dict[str, int], run: int, records: list[Record]) -> None:
+        for r in records:
+            key = r["key"]
+            folder = os.path.join(self.path, f"run_{run}", safe_name(key))
+            if key not in handle:
+                os.makedirs(folder, exist_ok=True)
+                existing = [int(m[1]) for f in os.listdir(folder) if (m := _FILE.match(f))]
+                handle[key] = max(existing, default=-1) + 1
+            arrays: dict[str, Any] = {"__key__": np.asarray(key)}
+            for name, leaf in flat_items("value", r["value"]):
+                arrays[name] = leaf
+            for name, step in r.items():
+                if name not in ("key", "value"):
+                    arrays[f"step/{name}"] = np.asarray(step)
+            final = os.path.join(folder, f"{handle[key]:06d}.npz")
+            with open(final + ".tmp", "wb") as f:
+                np.savez(f, **arrays)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(final + ".tmp", final)
+            handle[key] += 1
+
+
+def read_arrays(path: str | os.PathLike, run: int = 0) -> dict[str, list[dict[str, Any]]]:
+    """What an `ArrayLogger` wrote to run `run`: for each key, its events in order, each a dict
+    with `"value"` (or `"value/<path>"` per leaf of a pytree value) and `"step/<name>"` arrays.
+    Files are loaded with `allow_pickle=False`."""
+    root = os.path.join(os.fspath(path), f"run_{run}")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for folder in sorted(os.listdir(root)):
+        files = sorted(
+            (int(m[1]), f) for f in os.listdir(os.path.join(root, folder)) if (m := _FILE.match(f))
+        )
+        for _, name in files:
+            with np.load(os.path.join(root, folder, name), allow_pickle=False) as data:
+                event = {k: data[k] for k in data.files}
+            key = str(event.pop("__key__"))
+            out.setdefault(key, []).append(event)
+    return out

@@ -1,0 +1,47 @@
+from typing import Any
+
+from ._base import AbstractLogger, Record
+from ._writer import Writer
+
+
+class MultiLogger(AbstractLogger):
+    """Writes to several loggers at once, each on its own writer thread.
+    `MultiLogger(ConsoleLogger(), JsonlLogger("run.jsonl"))`; its state is one run index for
+    all of them."""
+
+    loggers: tuple[AbstractLogger, ...]
+
+    def __init__(self, *loggers: AbstractLogger):
+        for logger in loggers:
+            if not isinstance(logger, AbstractLogger):
+                raise TypeError(f"MultiLogger takes loggers, got {logger!r}.")
+        self.loggers = loggers
+        self._writer = Writer("MultiLogger")
+
+    def _open(self, run: int) -> None:
+        return None
+
+    def _write(self, handle: Any, run: int, records: list[Record]) -> None:
+        raise AssertionError("MultiLogger hands records to its loggers")
+
+    def _submit(self, run: int, rows: list[Record]) -> None:
+        for logger in self.loggers:
+            logger._submit(run, rows)
+
+    def _check(self) -> None:
+        for logger in self.loggers:
+            logger._check()
+
+    def flush(self) -> None:
+        for logger in self.loggers:
+            logger.flush()
+
+    def close(self) -> None:
+        errors = []
+        for logger in self.loggers:  # close all of them, then raise the first error
+            try:
+                logger.close()
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        if errors:
+            raise errors[0]
