@@ -14,8 +14,8 @@ from jax import lax
 from . import _compat
 from ._interpret import Interpreter
 from ._policy import Policy
-from ._primitive import current_prefix
-from ._rules import RULES
+from ._primitive import current_prefix, is_log
+from ._rules import RULES, _split
 from ._spool import trace_filtered
 
 _T = TypeVar("_T")
@@ -32,14 +32,30 @@ def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
     print("  ".join(parts), flush=True)
 
 
+_STRAIGHT = _compat.INLINE_CALLS | {_compat.CUSTOM_JVP, *_compat.CUSTOM_VJP}
+
+
+def _dynamic(states: dict[str, Any]) -> dict[str, Any]:
+    return {k: jnp.int32(v) if isinstance(v, int) else v for k, v in states.items()}
+
+
 class _TapInterpreter(Interpreter):
     """Evaluates a jaxpr, turning each selected log event into an ordered host callback,
-    gated on the device by the policy's interval (a per-key event counter is threaded)."""
+    gated on the device by the policy's interval (a per-key event counter is threaded).
+
+    Counters stay Python ints while they are known at trace time (straight-line code, and
+    after a scan handled below), so events the interval skips cost nothing and kept ones need
+    no `cond`. A scan whose body logs each of its counters' keys exactly once per iteration,
+    entered with known counters, is split at trace time into runs of iterations without
+    events and single iterations with one (`_peeled_scan`): the skipped iterations compile
+    without the logged computation at all.
+    """
 
     def __init__(self, policy: Policy, sink: Callable, context: Any):
         super().__init__(policy, RULES)
         self.sink = sink
         self.context = context
+        self._silent = False  # inside iterations whose events the interval skips
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
@@ -52,12 +68,26 @@ class _TapInterpreter(Interpreter):
             sites = frozenset(self._eqns_of[key])
             self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
         self._reductions = dict.fromkeys(kept)
-        outs, _ = self.eval(closed, args, {g: jnp.zeros((), jnp.int32) for g in groups.values()})
+        outs, _ = self.eval(closed, args, dict.fromkeys(groups.values(), 0))
         return outs
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The event counters (one per group of keys) that `closed` updates."""
         return tuple(dict.fromkeys(self._group[k] for k in super().keys(closed)))
+
+    def rule(self, eqn):
+        rule = super().rule(eqn)
+        if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
+            return rule
+
+        def apply(interp, eqn, invals, states):
+            if eqn.primitive.name == _compat.SCAN:
+                peeled = self._peeled_scan(eqn, invals, states)
+                if peeled is not None:
+                    return peeled
+            return rule.apply(interp, eqn, invals, _dynamic(states))
+
+        return rule._replace(apply=apply)
 
     def _record(self, eqn):
         keys = super()._record(eqn)
@@ -69,11 +99,105 @@ class _TapInterpreter(Interpreter):
             self._eqns_of.setdefault(key, set()).add(id(eqn))
         return keys
 
+    def _groups_of(self, eqn) -> list[str]:
+        keys = jtu.tree_unflatten(eqn.params["treedef"], [0] * eqn.params["treedef"].num_leaves)
+        return list(dict.fromkeys(self._group[k] for k in keys if k in self._reductions))
+
+    def _per_iteration(self, closed: Any) -> dict[str, int] | None:
+        """How often each counter advances in one evaluation of `closed`, if that is the same
+        every time (no conditional or masked events); else None."""
+        total: dict[str, int] = {}
+        for eqn in _compat.unpack(closed)[0].eqns:
+            if is_log(eqn):
+                if not self.policy.selects(eqn.params["tags"]):
+                    continue
+                groups = self._groups_of(eqn)
+                if groups and eqn.params["masked"]:
+                    return None
+                for g in groups:
+                    total[g] = total.get(g, 0) + 1
+            elif self.eqn_has_log(eqn):
+                name = eqn.primitive.name
+                if name in _STRAIGHT or name in _compat.REMAT:
+                    sub = self._per_iteration(_compat.call_jaxpr(eqn))
+                    if sub is None:
+                        return None
+                    for g, n in sub.items():
+                        total[g] = total.get(g, 0) + n
+                elif any(k in self._reductions for k in self.rule(eqn).count(self, eqn)):
+                    return None
+        return total
+
+    def _peeled_scan(self, eqn, invals, states):
+        """Evaluate a scan as [quiet iterations] + blocks of [one iteration with its event,
+        `interval - 1` quiet iterations] + [a last partial block], when the event each
+        iteration makes is known at trace time to be kept or skipped. None if not applicable."""
+        period = self.policy.interval
+        body, num_consts, num_carry = _compat.scan_parts(eqn)
+        options = _compat.scan_options(eqn)
+        groups = self.keys(body)
+        if period == 1 or options["reverse"] or not groups or not options["length"]:
+            return None
+        if any(not isinstance(states[g], int) for g in groups):
+            return None
+        if len({states[g] % period for g in groups}) != 1:
+            return None
+        if self._per_iteration(body) != dict.fromkeys(groups, 1):
+            return None
+        length, unroll = options["length"], options["unroll"]
+        consts, carry, xs = _split(invals, num_consts, num_carry)
+        head = min(-states[groups[0]] % period, length)
+        blocks = (length - head) // period
+        tail = length - head - blocks * period
+        kept_now = dict.fromkeys(groups, 0)  # a counter at 0: this iteration's event is kept
+
+        def loud(carry, x):
+            outs, _ = self.eval(body, [*consts, *carry, *x], kept_now)
+            return outs[:num_carry], outs[num_carry:]
+
+        def quiet(carry, xs_part):
+            def step(carry, x):
+                outs, _ = self.eval(body, [*consts, *carry, *x], dict.fromkeys(groups, 0))
+                return outs[:num_carry], outs[num_carry:]
+
+            self._silent, silent = True, self._silent
+            try:
+                return lax.scan(step, carry, xs_part, unroll=unroll)
+            finally:
+                self._silent = silent
+
+        def block(carry, xs_block):
+            carry, y = loud(carry, [x[0] for x in xs_block])
+            carry, ys = quiet(carry, [x[1:] for x in xs_block])
+            return carry, [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
+
+        pieces = []
+        if head:
+            carry, ys = quiet(carry, [x[:head] for x in xs])
+            pieces.append(ys)
+        if blocks:
+            start, stop = head, head + blocks * period
+            shaped = [x[start:stop].reshape((blocks, period) + x.shape[1:]) for x in xs]
+            carry, ys = lax.scan(block, carry, shaped)
+            pieces.append([y.reshape((blocks * period,) + y.shape[2:]) for y in ys])
+        if tail:
+            rest = [x[length - tail :] for x in xs]
+            carry, y = loud(carry, [x[0] for x in rest])
+            pieces.append([a[None] for a in y])
+            if tail > 1:
+                carry, ys = quiet(carry, [x[1:] for x in rest])
+                pieces.append(ys)
+        ys = [jnp.concatenate(parts) for parts in zip(*pieces)] if pieces else []
+        states = {**states, **{g: states[g] + length for g in groups}}
+        return [*carry, *ys], states
+
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
             if _compat.logging_enabled.value:
                 _compat.bind_eqn(eqn, invals)  # not ours: an enclosing spool or tap sees it
+            return
+        if self._silent:  # the interval skips this event
             return
         n_leaves = params["treedef"].num_leaves
         items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
@@ -82,15 +206,24 @@ class _TapInterpreter(Interpreter):
         if not keys:
             return
         mask = invals[-1] if params["masked"] else None
-        happened = jnp.bool_(True) if mask is None else jnp.any(mask)
         groups = list(dict.fromkeys(self._group[k] for k in keys))
-        if self.policy.interval == 1:
-            wanted = dict.fromkeys(groups, happened)
-        else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
-            period = jnp.int32(self.policy.interval)
-            wanted = {g: jnp.logical_and(happened, lax.rem(states[g], period) == 0) for g in groups}
-            for g in groups:
-                states[g] = states[g] + happened.astype(jnp.int32)
+        wanted: dict[str, Any] = {}
+        for g in groups:
+            count = states[g]
+            if mask is None and isinstance(count, int):  # known now: no work on the device
+                wanted[g] = count % self.policy.interval == 0
+                states[g] = count + 1
+                continue
+            happened = jnp.bool_(True) if mask is None else jnp.any(mask)
+            if self.policy.interval == 1:
+                wanted[g] = happened
+            else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
+                count = jnp.asarray(count, jnp.int32)
+                period = jnp.int32(self.policy.interval)
+                wanted[g] = jnp.logical_and(happened, lax.rem(count, period) == 0)
+            states[g] = count + happened.astype(jnp.int32)
+        if not any(w is not False for w in wanted.values()):
+            return  # skipped by the interval, known at trace time
         values = {k: items[k] for k in keys}
         group_of = {k: self._group[k] for k in keys}
         prefix, sink = self.policy.prefix, self.sink
@@ -112,10 +245,15 @@ class _TapInterpreter(Interpreter):
             if logs:
                 sink(context, logs, steps)
 
-        def emit():
-            jax.debug.callback(host, self.context, values, steps, wanted, mask, ordered=True)
+        flags = {g: jnp.bool_(w) for g, w in wanted.items()}
 
-        lax.cond(functools.reduce(jnp.logical_or, wanted.values()), emit, lambda: None)
+        def emit():
+            jax.debug.callback(host, self.context, values, steps, flags, mask, ordered=True)
+
+        if all(isinstance(w, bool) for w in wanted.values()):
+            emit()  # kept, known at trace time
+        else:
+            lax.cond(functools.reduce(jnp.logical_or, flags.values()), emit, lambda: None)
 
 
 def tap(

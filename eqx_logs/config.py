@@ -157,6 +157,17 @@ def policy(
     )
 
 
+def multi_logger(*loggers: Any) -> Any:
+    """An `eqx_logs.loggers.MultiLogger` from logger configs (with `_recursive_: false`, so
+    that OmegaConf does not turn the instantiated loggers, which are dataclasses, back into
+    dicts)."""
+    from hydra.utils import instantiate
+
+    from .loggers import MultiLogger
+
+    return MultiLogger(*(instantiate(cfg) for cfg in loggers))
+
+
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="logging", name="base", node=PolicyConfig)

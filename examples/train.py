@@ -16,6 +16,8 @@ logger writes them into Hydra's run directory (on a background thread) after eve
 steps. With `train.stream=true`, `logger.tap` writes each selected event as it happens instead.
 """
 
+import os
+
 import equinox as eqx
 import hydra
 import jax
@@ -26,6 +28,7 @@ from omegaconf import DictConfig
 
 import eqx_logs
 import eqx_logs.config  # noqa: F401  (registers the structured configs)
+import eqx_logs.loggers
 
 
 class MLP(eqx.Module):
@@ -109,12 +112,19 @@ def main(cfg: DictConfig) -> float:
     # leaving the `with` block waited for the writer thread and closed the files
     final = float(loss_fn(model, x, y))
     print(f"loss {first:.4f} -> {final:.4f} after {train.steps} steps")
-    how = "tap" if train.stream else f"spool, {type(policy.reduce).__name__}"
+    how = "tap" if train.stream else type(policy.reduce).__name__
     print(
         f"logged with {how}, interval={policy.interval}, window={policy.window}, "
         f"tags={policy.tags}, exclude={policy.exclude}"
     )
-    print(f"written by {type(logger).__name__} in {HydraConfig.get().runtime.output_dir}")
+    out = HydraConfig.get().runtime.output_dir
+    where = getattr(logger, "path", None) or getattr(logger, "logdir", None)
+    if where is not None:
+        print(f"written to {os.path.join(out, where)}")
+    elif isinstance(logger, eqx_logs.loggers.ConsoleLogger):
+        print("written to the console")
+    else:
+        print(f"written by {type(logger).__name__} in {out}")
     return final
 
 
