@@ -34,6 +34,7 @@ test312: .venv312/.installed
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_core.py
 	.venv/bin/python benchmarks/bench_reductions.py
+	.venv/bin/python benchmarks/bench_tap.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks

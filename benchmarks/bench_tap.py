@@ -3,8 +3,10 @@ log-free function; beside it, jax.debug.callback on every step. Ratios of median
 side by side in one run. Run: `python benchmarks/bench_tap.py [--quick]`."""
 
 import argparse
+import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import jax
@@ -14,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_core  # noqa: E402
 
 import eqx_logs  # noqa: E402
+from eqx_logs.loggers import JsonlLogger  # noqa: E402
 
 STEPS = 10_000
 TARGET = 1.5
@@ -42,12 +45,17 @@ def main() -> int:
     params = bench_core.init_params(jax.random.key(0))
     batches = data(jax.random.key(1))
     calls = []
+    logger = JsonlLogger(os.path.join(tempfile.mkdtemp(), "bench.jsonl"))
+    state = logger.init()
     variants = {
         "log-free": jax.jit(bench_core.train_plain),
         "tap(interval=100)": jax.jit(
             eqx_logs.tap(
                 bench_core.train_logged, interval=100, callback=lambda logs, steps: calls.append(1)
             )
+        ),
+        "JsonlLogger.tap(interval=100)": jax.jit(
+            logger.tap(bench_core.train_logged, state, interval=100)
         ),
         "debug.callback every step": jax.jit(with_debug_callback),
     }
@@ -56,16 +64,22 @@ def main() -> int:
         def run():
             jax.block_until_ready(fn(params, batches))
             jax.effects_barrier()
+            logger.flush()  # the JSONL lines are on disk before the clock stops
 
         return run
 
     times = bench_core.interleaved({k: runner(f) for k, f in variants.items()}, repeats)
+    logger.close()
     base = statistics.median(times["log-free"])
     summary = bench_core.Summary()
     for name, ts in times.items():
         ratio = statistics.median(ts) / base
         print(f"  {name:28s} {bench_core.fmt_time(statistics.median(ts))}  ratio {ratio:.2f}")
-        if name.startswith("tap"):
+        if name.startswith("Jsonl"):
+            summary.add(
+                "JsonlLogger.tap(interval=100), written / log-free", f"{ratio:.2f}x", "-", None
+            )
+        elif name.startswith("tap"):
             summary.add(
                 "tap(interval=100) / log-free", f"{ratio:.2f}x", f"<= {TARGET}x", ratio <= TARGET
             )

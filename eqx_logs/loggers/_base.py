@@ -146,7 +146,9 @@ class AbstractLogger(eqx.Module):
     states (`jax.vmap(logger.init)(jnp.arange(4))`) each lane writes to its own run.
 
     Writing happens on a background thread, in order. If the backend raises there, the error is
-    raised (as a `WriterError`) by the next call into the logger.
+    raised (as a `WriterError`) by the next call into the logger: from Python calls directly,
+    and from inside compiled code as the `JaxRuntimeError` of the next host callback. Writes
+    submitted after the failure are skipped and counted in the message.
 
     Subclasses implement `_open(run) -> handle`, `_write(handle, run, records)` and optionally
     `_close(handle)`; all three run on the writer thread.
@@ -247,12 +249,17 @@ class AbstractLogger(eqx.Module):
     def _check(self) -> None:
         self._writer.check()
 
+    # The host callbacks raise a pending writer error, so that inside `jax.jit` too it
+    # surfaces from the next call (as a JaxRuntimeError naming the WriterError).
+
     def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
         self._submit(int(state.run), list(records(logs)))
+        self._check()
 
     def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
         rows = [{"key": key, "value": value, **steps} for key, value in logs.items()]
         self._submit(int(state.run), rows)
+        self._check()
 
     def _submit(self, run: int, rows: list[Record]) -> None:
         writer = self._writer

@@ -97,6 +97,14 @@ class Writer:
 
 @atexit.register
 def _flush_all() -> None:
+    if not _live:
+        return
+    try:  # host callbacks still queued in JAX submit their writes first
+        import jax
+
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001, S110 (the backend may be gone at exit)
+        pass
     for writer in list(_live):
         try:
             writer.close()
