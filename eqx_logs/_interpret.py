@@ -11,6 +11,7 @@ Two passes over a traced program:
    added to its operands, carries and results. Nothing JAX created is mutated.
 """
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -130,6 +131,16 @@ def unbounded(counts: Counts) -> Counts:
 
 class Interpreter:
     """Evaluates jaxprs, folding log events into per-key reduction states."""
+
+    # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`). Spool
+    # does not need it: a `vmap` outside it selects the states of untaken branches away.
+    tracks_guards = False
+
+    @contextlib.contextmanager
+    def guard(self, pred: Callable[[], Any]):
+        """Evaluate what follows only where `pred()` holds (a cond branch's index, a while
+        loop's predicate). Rules call it; the base interpreter ignores it."""
+        yield
 
     def __init__(self, policy: Policy, rules: dict[str, Any], *, keep: bool = False):
         self.policy = policy

@@ -141,18 +141,20 @@ def _while_apply(interp, eqn, invals, states):
         return interp.eval(body, [*body_consts, *values], sub)
 
     sub = _only(states, keys)
-    if not interp.has_log(cond):
+    if not interp.has_log(cond) and not interp.tracks_guards:
         values, sub = lax.while_loop(
             lambda c: test(c[0], {})[0], lambda c: advance(*c), (init, sub)
         )
     else:
-        # cond_fun runs once more than the body: test, (body, test)*.
+        # cond_fun runs once more than the body: test, (body, test)*. The predicate rides in
+        # the carry, so each iteration knows the test that admitted it (its guard).
         pred, sub = test(init, sub)
 
         def loop_body(carry):
-            values, sub, _ = carry
-            values, sub = advance(values, sub)
-            pred, sub = test(values, sub)
+            values, sub, pred = carry
+            with interp.guard(lambda: pred):
+                values, sub = advance(values, sub)
+                pred, sub = test(values, sub)
             return values, sub, pred
 
         values, sub, _ = lax.while_loop(lambda c: c[2], loop_body, (init, sub, pred))
@@ -174,13 +176,16 @@ def _cond_apply(interp, eqn, invals, states):
     index, *ops = invals
     keys = dict.fromkeys(k for b in branches for k in interp.keys(b))
 
-    def make(branch):
+    def make(i, branch):
         def run(ops, sub):
-            return interp.eval(branch, ops, sub)
+            with interp.guard(lambda: index == i):
+                return interp.eval(branch, ops, sub)
 
         return run
 
-    outs, sub = lax.switch(index, [make(b) for b in branches], ops, _only(states, keys))
+    outs, sub = lax.switch(
+        index, [make(i, b) for i, b in enumerate(branches)], ops, _only(states, keys)
+    )
     return outs, {**states, **sub}
 
 

@@ -1,5 +1,6 @@
 """`tap`: stream log events to a host callback as they happen."""
 
+import contextlib
 import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -51,11 +52,25 @@ class _TapInterpreter(Interpreter):
     without the logged computation at all.
     """
 
+    # Under a `vmap` outside `tap`, a cond or while with a batched predicate runs its branches
+    # or body for every lane, callbacks included: each event carries the conditions it is
+    # under, per lane, and the host drops the lanes where they do not hold.
+    tracks_guards = True
+
     def __init__(self, policy: Policy, sink: Callable, context: Any):
         super().__init__(policy, RULES)
         self.sink = sink
         self.context = context
         self._silent = False  # inside iterations whose events the interval skips
+        self._guards: list[Any] = []
+
+    @contextlib.contextmanager
+    def guard(self, pred: Callable[[], Any]):
+        self._guards.append(pred())
+        try:
+            yield
+        finally:
+            self._guards.pop()
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
@@ -246,6 +261,9 @@ class _TapInterpreter(Interpreter):
                 sink(context, logs, steps)
 
         flags = {g: jnp.bool_(w) for g, w in wanted.items()}
+        if self._guards:  # only for the host: the device-side gate stays as it is
+            guard = functools.reduce(jnp.logical_and, self._guards)
+            flags = {g: jnp.logical_and(f, guard) for g, f in flags.items()}
 
         def emit():
             jax.debug.callback(host, self.context, values, steps, flags, mask, ordered=True)

@@ -1,5 +1,7 @@
 """Small helpers shared by the tests."""
 
+import re
+
 import numpy as np
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -53,3 +55,154 @@ def assert_tree_allclose(got, want, *, rtol=RTOL, atol=ATOL, what: str = "output
         np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=what)
     else:
         np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+_CONSOLE_LINE = re.compile(r"( *)(\S(?:\S| (?! ))*)(?:  (\S.*))?")
+
+
+def check_aligned(
+    lines: list[str], keys: list[str], prefix: str = ""
+) -> list[tuple[str, str, str]]:
+    """ConsoleLogger output: every line is `<prefix><key>  <value>  <steps>` with the keys
+    left-aligned to the longest of `keys` (the keys of one write) and the values right-aligned
+    to one column. Returns (key, value, steps) per line."""
+    width = max(len(k) for k in keys)
+    out, ends, pads = [], set(), []
+    for line in lines:
+        assert line.startswith(prefix), f"no {prefix!r}: {line!r}"
+        line = line[len(prefix) :]
+        key = line[:width].rstrip()
+        assert key in keys, line
+        assert line[width : width + 2] == "  ", f"key column not aligned: {line!r}"
+        m = _CONSOLE_LINE.fullmatch(line[width + 2 :])
+        assert m, f"not `value  steps`: {line!r}"
+        pads.append(len(m[1]))
+        ends.add(width + 2 + len(m[1]) + len(m[2]))
+        out.append((key, m[2], m[3] or ""))
+    assert len(ends) <= 1, f"values end in different columns {sorted(ends)}: {lines}"
+    assert not pads or min(pads) == 0, f"the widest value is padded: {lines}"
+    return out
+
+
+# --- reading W&B's offline `.wandb` files (wandb has no Python reader for them) ------------
+
+WANDB_BLOCK = 32 * 1024  # the LevelDB log format: 32 KiB blocks, counted from the file start
+WANDB_HEADER = b":W&B" + (0xBEE1).to_bytes(2, "little") + bytes([0])
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def wandb_payloads(path, fragments: dict | None = None) -> list[bytes]:
+    """The records of a `.wandb` file: a 7-byte header, then blocks of records, each
+    `crc (4 bytes LE) | length (2 bytes LE) | type (1 byte) | payload`, a block tail under 7
+    bytes being zero padding; records longer than a block's rest are split FIRST, MIDDLE...,
+    LAST. Every checksum is verified (wandb uses zlib's CRC-32 of the type byte and payload).
+    `fragments`, if given, counts the records of each type seen."""
+    import zlib
+
+    with open(path, "rb") as f:
+        data = f.read()
+    assert data[:7] == WANDB_HEADER, f"not a .wandb file: {data[:7]!r}"
+    out: list[bytes] = []
+    pending: bytes | None = None
+    pos = 7
+    while pos < len(data):
+        left = WANDB_BLOCK - pos % WANDB_BLOCK
+        if left < 7:  # padding to the next block
+            assert data[pos : pos + left] == bytes(len(data[pos : pos + left])), pos
+            pos += left
+            continue
+        assert pos + 7 <= len(data), f"truncated record header at {pos}"
+        crc = int.from_bytes(data[pos : pos + 4], "little")
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        assert 7 + length <= left, f"record at {pos} crosses a block boundary"
+        payload = data[pos + 7 : pos + 7 + length]
+        assert len(payload) == length, f"truncated record at {pos}"
+        assert zlib.crc32(bytes([kind]) + payload) == crc, f"bad checksum at {pos}"
+        if fragments is not None:
+            fragments[kind] = fragments.get(kind, 0) + 1
+        if kind == FULL:
+            assert pending is None, f"FULL record inside a fragmented one at {pos}"
+            out.append(payload)
+        elif kind == FIRST:
+            assert pending is None, f"FIRST record inside a fragmented one at {pos}"
+            pending = payload
+        elif kind in (MIDDLE, LAST):
+            assert pending is not None, f"{kind=} without FIRST at {pos}"
+            pending += payload
+            if kind == LAST:
+                out.append(pending)
+                pending = None
+        else:
+            raise AssertionError(f"unknown record type {kind} at {pos}")
+        pos += 7 + length
+    assert pending is None, "file ends inside a fragmented record"
+    return out
+
+
+def read_wandb(path, fragments: dict | None = None, timeout: float = 20.0) -> dict:
+    """One offline W&B run: `{"name", "group", "config": {key: value}, "history": [row]}`,
+    each history row a dict from the logged name (nested keys joined by "/") to its decoded
+    JSON value, `_step` included. W&B writes the file from its own process: this waits (up to
+    `timeout` seconds) until the file is complete, ending with the run's exit record."""
+    import json
+    import time
+
+    from wandb.proto import wandb_internal_pb2
+
+    deadline = time.monotonic() + timeout
+    while True:
+        counts: dict = {}
+        try:
+            payloads = wandb_payloads(path, counts)
+            records = []
+            for payload in payloads:
+                record = wandb_internal_pb2.Record()
+                record.ParseFromString(payload)
+                records.append(record)
+            assert records and records[-1].WhichOneof("record_type") == "exit", "no exit record"
+            break
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+    if fragments is not None:
+        fragments.update(counts)
+    run: dict = {"name": None, "group": None, "config": {}, "history": []}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["name"] = record.run.display_name
+            run["group"] = record.run.run_group
+            for item in record.run.config.update:
+                name = item.key or "/".join(item.nested_key)
+                run["config"][name] = json.loads(item.value_json)
+        elif kind == "history":
+            row = {}
+            for item in record.history.item:
+                row[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+            run["history"].append(row)
+    return run
+
+
+def write_leveldb_log(payloads: list[bytes]) -> bytes:
+    """The inverse of `wandb_payloads` (for testing the reader on chosen boundaries)."""
+    import zlib
+
+    out = bytearray(WANDB_HEADER)
+    for payload in payloads:
+        first = True
+        while True:
+            left = WANDB_BLOCK - len(out) % WANDB_BLOCK
+            if left < 7:
+                out += bytes(left)
+                continue
+            n = min(len(payload), left - 7)
+            part, payload = payload[:n], payload[n:]
+            kind = (FULL if not payload else FIRST) if first else (LAST if not payload else MIDDLE)
+            out += zlib.crc32(bytes([kind]) + part).to_bytes(4, "little")
+            out += n.to_bytes(2, "little") + bytes([kind]) + part
+            first = False
+            if not payload:
+                break
+    return bytes(out)

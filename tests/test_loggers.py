@@ -1,6 +1,9 @@
 """Loggers: JsonlLogger (one line per real event of stacked keys, one per key for other
 reductions, appends, read_jsonl round-trips), ConsoleLogger (aligned lines), `records` on
-Window outputs, and `safe_name`. Expected values come from numpy, not from earlier output."""
+Window outputs, and `safe_name`. Expected values come from numpy, not from earlier output.
+
+Loggers write on a background thread: every test flushes or closes (`with logger:`) before it
+reads anything back. Backends other than these two are in test_backends.py."""
 
 import json
 import math
@@ -11,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_aligned
 from jax import lax
 
 import eqx_logs
@@ -62,7 +66,8 @@ def test_jsonl_stacked_one_line_per_real_event(tmp_path):
     assert [r["value"] for r in got["big"]] == [3.0, 4.0, 5.0, 6.0, 7.0]
     assert [r["step"] for r in got["big"]] == [3, 4, 5, 6, 7]
     assert [r["value"] for r in got["vec"]] == [[t, -t] for t in [3.0, 4.0, 5.0, 6.0, 7.0]]
-    assert all(set(r) == {"key", "value", "step"} for r in rows)
+    assert all(set(r) == {"run", "key", "value", "step"} for r in rows)
+    assert all(r["run"] == 0 for r in rows)
     assert "nan" not in path.read_text().lower()
 
 
@@ -147,9 +152,9 @@ def test_jsonl_appends(tmp_path):
         logger.write(spooled(f, 3.0))
     assert lines_of(path) == [
         {"key": "earlier", "value": 0},
-        {"key": "a", "value": 1.0},
-        {"key": "a", "value": 2.0},
-        {"key": "a", "value": 3.0},
+        {"run": 0, "key": "a", "value": 1.0},
+        {"run": 0, "key": "a", "value": 2.0},
+        {"run": 0, "key": "a", "value": 3.0},
     ]
 
 
@@ -159,7 +164,7 @@ def test_jsonl_creates_its_directory(tmp_path):
     assert logger.path == os.fspath(path)
     logger.write(spooled(lambda x: eqx_logs.log("a", x), 1.0))
     logger.close()
-    assert lines_of(path) == [{"key": "a", "value": 1.0}]
+    assert lines_of(path) == [{"run": 0, "key": "a", "value": 1.0}]
 
 
 def test_read_jsonl_round_trips(tmp_path):
@@ -208,23 +213,10 @@ def test_read_jsonl_round_trips(tmp_path):
 
 def console_lines(capsys, logger, logs) -> list[str]:
     logger.write(logs)
+    logger.flush()  # written on the logger's thread
     out = capsys.readouterr().out
     assert out.endswith("\n")
     return out.splitlines()
-
-
-def check_aligned(lines: list[str], keys: list[str]) -> list[tuple[str, str, str]]:
-    """Every line is `key<pad>  value  steps` with the value column at the same offset;
-    returns (key, value, steps) per line."""
-    width = max(len(k) for k in keys)
-    out = []
-    for line in lines:
-        key = line[:width].rstrip()
-        assert key in keys, line
-        assert line[width : width + 2] == "  " and line[width + 2] != " ", f"not aligned: {line!r}"
-        value, _, steps = line[width + 2 :].partition("  ")
-        out.append((key, value, steps))
-    return out
 
 
 def test_console_last_only_aligned(capsys):
@@ -236,7 +228,7 @@ def test_console_last_only_aligned(capsys):
 
         return lax.scan(step, 0.0, xs)[0]
 
-    lines = console_lines(capsys, ConsoleLogger(), spooled(f))
+    lines = console_lines(capsys, ConsoleLogger(last_only=True), spooled(f))
     rows = check_aligned(lines, ["a", "loss", "grad/layer0"])
     assert sorted(k for k, _, _ in rows) == ["a", "grad/layer0", "loss"]
     want = {"a": XS[-1], "loss": XS[-1] / 3, "grad/layer0": -XS[-1]}
@@ -247,7 +239,9 @@ def test_console_last_only_aligned(capsys):
 
 def test_console_every_event_aligned(capsys):
     logs = spooled(conditional)
+    assert ConsoleLogger().last_only is False  # every event by default
     lines = console_lines(capsys, ConsoleLogger(last_only=False), logs)
+    assert console_lines(capsys, ConsoleLogger(), logs) == lines
     rows = check_aligned(lines, ["all", "big", "vec"])
     assert [k for k, _, _ in rows].count("all") == 8
     assert [(float(v), s) for k, v, s in rows if k == "big"] == [

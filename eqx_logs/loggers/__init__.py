@@ -6,6 +6,7 @@ from ._base import (
     LoggerState as LoggerState,
     records as records,
     safe_name as safe_name,
+    unique_name as unique_name,
 )
 from ._console import ConsoleLogger as ConsoleLogger
 from ._jsonl import JsonlLogger as JsonlLogger, read_jsonl as read_jsonl

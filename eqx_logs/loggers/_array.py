@@ -5,7 +5,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, safe_name
+from ._base import AbstractLogger, Record, flat_items, host_array, unique_name
 
 _FILE = re.compile(r"^(\d+)\.npz$")
 
@@ -13,7 +13,8 @@ _FILE = re.compile(r"^(\d+)\.npz$")
 class ArrayLogger(AbstractLogger):
     """Saves every event as its own `.npz` file, for large arrays: the value (each leaf of a
     pytree value under its path), its step values, and the key, at
-    `path/run_<run>/<safe key>/<index>.npz`. Each file is written to a temporary name and then
+    `path/run_<run>/<key>/<index>.npz` (the key made safe by `unique_name`). Float types numpy
+    lacks (bfloat16, ...) are saved as float32. Each file is written to a temporary name and then
     renamed, so a crash never leaves a half-written file. Appends to existing runs. Read back
     with `eqx_logs.loggers.read_arrays` (which never unpickles).
 
@@ -30,7 +31,7 @@ class ArrayLogger(AbstractLogger):
     def _write(self, handle: dict[str, int], run: int, records: list[Record]) -> None:
         for r in records:
             key = r["key"]
-            folder = os.path.join(self.path, f"run_{run}", safe_name(key))
+            folder = os.path.join(self.path, f"run_{run}", unique_name(key))
             if key not in handle:
                 os.makedirs(folder, exist_ok=True)
                 existing = [int(m[1]) for f in os.listdir(folder) if (m := _FILE.match(f))]
@@ -40,7 +41,7 @@ class ArrayLogger(AbstractLogger):
                 arrays[name] = leaf
             for name, step in r.items():
                 if name not in ("key", "value"):
-                    arrays[f"step/{name}"] = np.asarray(step)
+                    arrays[f"step/{name}"] = host_array(step)
             final = os.path.join(folder, f"{handle[key]:06d}.npz")
             with open(final + ".tmp", "wb") as f:
                 np.savez(f, **arrays)

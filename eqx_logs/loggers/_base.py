@@ -1,6 +1,7 @@
 """AbstractLogger: spool or tap a function into a backend, written on a background thread."""
 
 import abc
+import hashlib
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -56,6 +57,15 @@ def safe_name(key: str) -> str:
     return "__".join(parts) or "_"
 
 
+def unique_name(key: str) -> str:
+    """`safe_name(key)`, plus a short hash of `key` when that changed it, so that two keys
+    never share a file name (`a/b` and `a__b`)."""
+    name = safe_name(key)
+    if name == key:
+        return name
+    return f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
 def to_python(x: Any) -> Any:
     """JSON-friendly: numpy scalars and arrays to Python numbers and lists; NaN and infinities
     become the strings `"nan"`, `"inf"`, `"-inf"`."""
@@ -70,12 +80,26 @@ def to_python(x: Any) -> Any:
     return [to_python(v) for v in arr]
 
 
+def host_array(x: Any) -> np.ndarray:
+    """`x` as a numpy array that plain numpy (and every backend) understands: float types
+    numpy lacks (bfloat16, float8, ...) become float32, which holds them exactly."""
+    x = np.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.floating):
+        return x.astype(np.float32)
+    return x
+
+
 def flat_items(key: str, value: Any) -> Iterator[tuple[str, np.ndarray]]:
     """A (possibly pytree) value as `(key/path, array)` pairs: `{"a": x}` under `k` gives
-    `("k/a", x)`."""
+    `("k/a", x)`. Arrays as by `host_array`."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
         name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        yield (f"{key}/{name}" if name else key), np.asarray(leaf)
+        yield (f"{key}/{name}" if name else key), host_array(leaf)
+
+
+def finite(x: np.ndarray) -> np.ndarray:
+    """The finite entries of `x`, flattened (all of them for integer and bool arrays)."""
+    return x[np.isfinite(x)] if np.issubdtype(x.dtype, np.inexact) else x.ravel()
 
 
 def is_scalar(x: np.ndarray) -> bool:
@@ -186,15 +210,24 @@ class AbstractLogger(eqx.Module):
         /,
         *,
         policy: Policy | None = None,
-        **options: Any,
+        reduce: Any = None,
+        interval: int | None = None,
+        window: int | None = None,
+        tags: Any = None,
+        exclude: Any = None,
+        prefix: str | None = None,
+        keep: bool = False,
+        key: PRNGKeyArray | None = None,
     ) -> Callable[..., _T]:
-        """`fun`, spooled as by `eqx_logs.spool(fun, policy=policy, **options)`; the logs are
-        written to `state`'s run when the call completes, and `fun`'s output is returned."""
+        """`fun`, spooled as by `eqx_logs.spool` (same options); the logs are written to
+        `state`'s run when the call completes, and `fun`'s output is returned."""
+        options = dict(reduce=reduce, interval=interval, window=window, tags=tags)
+        options.update(exclude=exclude, prefix=prefix, key=key)
         policy = _policy(policy, **options)
 
         def spooled(*args, **kwargs):
             self._check()
-            out, logs = _spool(fun, policy=policy)(*args, **kwargs)
+            out, logs = _spool(fun, policy=policy, keep=keep)(*args, **kwargs)
             jax.debug.callback(self._spool_host, state, logs, ordered=True)
             return out
 

@@ -1,3 +1,4 @@
+import hashlib
 import os
 import re
 import tempfile
@@ -6,23 +7,36 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, is_scalar, require, safe_name
+from ._base import AbstractLogger, Record, flat_items, is_scalar, require, unique_name
 
 _BAD = re.compile(r"[^\w./\- ]+")
+
+
+def metric_name(tag: str) -> str:
+    """`tag` as a name MLflow accepts: characters it rejects become `_`, and so do empty, `.`
+    and `..` path parts; a short hash of `tag` is added when anything changed, so that two
+    keys never share a name."""
+    parts = [_BAD.sub("_", p) for p in tag.split("/")]
+    name = "/".join(p if p.strip(".") else "_" for p in parts)
+    if name == tag and len(name) <= 200:
+        return name
+    return f"{name[:200]}-{hashlib.sha1(tag.encode()).hexdigest()[:8]}"
 
 
 class MLflowLogger(AbstractLogger):
     """MLflow (`pip install 'eqx_logs[mlflow]'`): one MLflow run per logger run, named
     `<run_name>-<run>` in `experiment`. Scalars become metrics (at the event's `step`, or a
     per-key counter); arrays are saved as `.npy` artifacts under `arrays/<key>/<step>.npy`.
-    Pytree values are logged per leaf as `<key>/<path>`; characters MLflow rejects in metric
-    names become `_`.
+    Pytree values are logged per leaf as `<key>/<path>`; names MLflow would reject are made
+    safe by `metric_name`.
 
     **Arguments:**
 
     - `tracking_uri`: for example `"file:./mlruns"` or `"sqlite:///mlflow.db"`.
     - `experiment`: the experiment name (created if missing).
     - `run_name`: the run name prefix.
+    - `artifact_location`: where a new experiment keeps its artifacts (MLflow's default is
+        `./mlruns` for a database store).
     - `step`: the step name used as MLflow's step.
     """
 
@@ -30,6 +44,7 @@ class MLflowLogger(AbstractLogger):
     experiment: str = "eqx_logs"
     run_name: str = "run"
     step: str = "step"
+    artifact_location: str | None = None
 
     def __check_init__(self):
         require("mlflow", "mlflow", "MLflowLogger")
@@ -39,7 +54,9 @@ class MLflowLogger(AbstractLogger):
         client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.experiment)
         if experiment is None:
-            experiment_id = client.create_experiment(self.experiment)
+            experiment_id = client.create_experiment(
+                self.experiment, artifact_location=self.artifact_location
+            )
         else:
             experiment_id = experiment.experiment_id
         mlflow_run = client.create_run(experiment_id, run_name=f"{self.run_name}-{run}")
@@ -52,16 +69,16 @@ class MLflowLogger(AbstractLogger):
         metrics = []
         for r in rows:
             for tag, value in flat_items(r["key"], r["value"]):
-                tag = _BAD.sub("_", tag)
                 step = int(np.asarray(r[self.step])) if self.step in r else counters.get(tag, 0)
                 counters[tag] = step + 1
                 if is_scalar(value):
-                    metrics.append(entities.Metric(tag, float(value.reshape(())), now, step))
+                    name = metric_name(tag)
+                    metrics.append(entities.Metric(name, float(value.reshape(())), now, step))
                     continue
                 with tempfile.TemporaryDirectory() as tmp:
                     file = os.path.join(tmp, f"{step}.npy")
                     np.save(file, value, allow_pickle=False)
-                    client.log_artifact(run_id, file, f"arrays/{safe_name(tag)}")
+                    client.log_artifact(run_id, file, f"arrays/{unique_name(tag)}")
         for i in range(0, len(metrics), 1000):  # MLflow's batch limit
             client.log_batch(run_id, metrics=metrics[i : i + 1000])
 

@@ -33,14 +33,16 @@ class MultiLogger(AbstractLogger):
             logger._check()
 
     def flush(self) -> None:
-        for logger in self.loggers:
-            logger.flush()
+        self._each("flush")
 
     def close(self) -> None:
+        self._each("close")
+
+    def _each(self, method: str) -> None:
         errors = []
-        for logger in self.loggers:  # close all of them, then raise the first error
+        for logger in self.loggers:  # all of them, then raise the first error
             try:
-                logger.close()
+                getattr(logger, method)()
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
         if errors:

@@ -10,7 +10,7 @@ class ProgressLogger(AbstractLogger):
     """A tqdm progress bar per run (`pip install tqdm`), advanced from inside a running
     scan by `logger.tap(...)`, showing the latest scalars. The bar's position is the event's
     `step` plus one where it has one (so with `interval=100` it moves in jumps of 100), else
-    the number of events written.
+    the number of writes (one per tapped event, or per spooled call).
 
     **Arguments:**
 

@@ -4,7 +4,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, is_scalar, require
+from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, require
 
 
 class TensorBoardLogger(AbstractLogger):
@@ -43,12 +43,12 @@ class TensorBoardLogger(AbstractLogger):
                 if is_scalar(value):
                     writer.add_scalar(tag, float(value.reshape(())), global_step=step)
                     continue
-                finite = value[np.isfinite(value)] if value.dtype.kind == "f" else value
-                if finite.size:
-                    writer.add_histogram(tag, finite.astype(np.float64), global_step=step)
-                if finite.size != value.size:
+                entries = finite(value)
+                if entries.size:
+                    writer.add_histogram(tag, entries.astype(np.float64), global_step=step)
+                if entries.size != value.size:
                     writer.add_scalar(
-                        f"{tag}/nonfinite", value.size - finite.size, global_step=step
+                        f"{tag}/nonfinite", value.size - entries.size, global_step=step
                     )
         writer.flush()
 

@@ -4,16 +4,17 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, is_scalar, require
+from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, require
 
 
 class WandbLogger(AbstractLogger):
     """Weights & Biases (`pip install 'eqx_logs[wandb]'`): one W&B run per logger run, named
     `<name>-<run>` and grouped under `name`. Scalars are logged as numbers, arrays as
     `wandb.Histogram`s (of their finite entries), pytree values per leaf as `<key>/<path>`.
-    Records of one write are grouped by their `step` (W&B needs steps to increase within a
-    run). Set `WANDB_MODE=offline` (or `mode="offline"`) to write locally and
-    `wandb sync` later.
+    W&B needs steps to increase within a run: the records of one write are grouped by their
+    `step`, in increasing order, and each record without one gets the next step; a step
+    below one already written raises (W&B would drop it). Set `WANDB_MODE=offline` (or
+    `mode="offline"`) to write locally and `wandb sync` later.
 
     **Arguments:**
 
@@ -32,11 +33,11 @@ class WandbLogger(AbstractLogger):
     def __check_init__(self):
         require("wandb", "wandb", "WandbLogger")
 
-    def _open(self, run: int) -> Any:
+    def _open(self, run: int) -> tuple[Any, dict[str, int]]:
         wandb = require("wandb", "wandb", "WandbLogger")
         if self.dir is not None:
             os.makedirs(self.dir, exist_ok=True)
-        return wandb.init(
+        wandb_run = wandb.init(
             project=self.project,
             name=f"{self.name}-{run}",
             group=self.name,
@@ -45,21 +46,42 @@ class WandbLogger(AbstractLogger):
             config=self.config,
             reinit="create_new",
         )
+        return wandb_run, {"last": -1}
 
-    def _write(self, handle: Any, run: int, records: list[Record]) -> None:
+    def _write(self, handle: tuple[Any, dict[str, int]], run: int, records: list[Record]):
         wandb = require("wandb", "wandb", "WandbLogger")
-        by_step: dict[int | None, dict[str, Any]] = {}
+        # W&B drops rows whose step is below its current one, so every row gets an explicit,
+        # increasing step: a write's stepped records grouped by step in increasing order, then
+        # each stepless record as its own row at the next step.
+        wandb_run, progress = handle
+        last = progress["last"]
+        by_step: dict[int, dict[str, Any]] = {}
+        stepless: list[dict[str, Any]] = []
         for r in records:
-            step = int(np.asarray(r[self.step])) if self.step in r else None
-            row = by_step.setdefault(step, {})
+            row: dict[str, Any] = {}
             for tag, value in flat_items(r["key"], r["value"]):
                 if is_scalar(value):
                     row[tag] = value.reshape(()).item()
                 else:
-                    finite = value[np.isfinite(value)] if value.dtype.kind == "f" else value
-                    row[tag] = wandb.Histogram(finite.astype(np.float64))
-        for step in sorted(by_step, key=lambda s: -1 if s is None else s):
-            handle.log(by_step[step], step=step)
+                    row[tag] = wandb.Histogram(finite(value).astype(np.float64))
+            if self.step not in r:
+                stepless.append(row)
+                continue
+            step = int(np.asarray(r[self.step]))
+            if step < last:
+                raise ValueError(
+                    f"WandbLogger: key {r['key']!r} was logged at {self.step}={step}, but run "
+                    f"{run} has already written {self.step}={last}; W&B would drop it. Log "
+                    f"with increasing {self.step!r} values, or pass another `step=` name."
+                )
+            by_step.setdefault(step, {}).update(row)
+        for step in sorted(by_step):
+            wandb_run.log(by_step[step], step=step)
+            last = step
+        for row in stepless:
+            last += 1
+            wandb_run.log(row, step=last)
+        progress["last"] = last
 
-    def _close(self, handle: Any) -> None:
-        handle.finish()
+    def _close(self, handle: tuple[Any, dict[str, int]]) -> None:
+        handle[0].finish()

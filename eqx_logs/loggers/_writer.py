@@ -52,20 +52,23 @@ class Writer:
                     target=self._loop, name=f"eqx_logs-{self.name}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((write, item))
+        self._queue.put((write, item, False))
 
     def _loop(self) -> None:
         while True:
-            write, item = self._queue.get()
+            write, item, always = self._queue.get()
             try:
                 if write is _STOP:
                     return
                 if self._error is None:
                     write(item)
+                elif always:  # closing runs even after an error
+                    write(item)
                 else:
                     self._skipped += 1
             except BaseException as e:  # kept for the caller; nothing is swallowed
-                self._error = e
+                if self._error is None:
+                    self._error = e
             finally:
                 self._queue.task_done()
 
@@ -86,10 +89,10 @@ class Writer:
 
     def close(self) -> None:
         """Flush, run `finish()` on the writer thread (closing files and runs), stop it."""
-        if self.finish is not None and (self.handles or self._thread is not None):
-            self.submit(lambda _: self.finish(), None)
         if self._thread is not None and self._thread.is_alive():
-            self._queue.put((_STOP, None))
+            if self.finish is not None:
+                self._queue.put((lambda _: self.finish(), None, True))
+            self._queue.put((_STOP, None, True))
             self._thread.join()
         self._thread = None
         self.check()
