@@ -170,37 +170,37 @@ class _TapInterpreter(Interpreter):
             outs, _ = self.eval(body, [*consts, *carry, *x], kept_now)
             return outs[:num_carry], outs[num_carry:]
 
-        def quiet(carry, xs_part):
+        def quiet(carry, xs_part, n):
             def step(carry, x):
                 outs, _ = self.eval(body, [*consts, *carry, *x], dict.fromkeys(groups, 0))
                 return outs[:num_carry], outs[num_carry:]
 
             self._silent, silent = True, self._silent
             try:
-                return lax.scan(step, carry, xs_part, unroll=unroll)
+                return lax.scan(step, carry, xs_part, length=n, unroll=unroll)
             finally:
                 self._silent = silent
 
         def block(carry, xs_block):
             carry, y = loud(carry, [x[0] for x in xs_block])
-            carry, ys = quiet(carry, [x[1:] for x in xs_block])
+            carry, ys = quiet(carry, [x[1:] for x in xs_block], period - 1)
             return carry, [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
 
         pieces = []
         if head:
-            carry, ys = quiet(carry, [x[:head] for x in xs])
+            carry, ys = quiet(carry, [x[:head] for x in xs], head)
             pieces.append(ys)
         if blocks:
             start, stop = head, head + blocks * period
             shaped = [x[start:stop].reshape((blocks, period) + x.shape[1:]) for x in xs]
-            carry, ys = lax.scan(block, carry, shaped)
+            carry, ys = lax.scan(block, carry, shaped, length=blocks)
             pieces.append([y.reshape((blocks * period,) + y.shape[2:]) for y in ys])
         if tail:
             rest = [x[length - tail :] for x in xs]
             carry, y = loud(carry, [x[0] for x in rest])
             pieces.append([a[None] for a in y])
             if tail > 1:
-                carry, ys = quiet(carry, [x[1:] for x in rest])
+                carry, ys = quiet(carry, [x[1:] for x in rest], tail - 1)
                 pieces.append(ys)
         ys = [jnp.concatenate(parts) for parts in zip(*pieces)] if pieces else []
         states = {**states, **{g: states[g] + length for g in groups}}

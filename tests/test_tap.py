@@ -132,3 +132,25 @@ def test_tap_then_spool_of_one_function():
     el.tap(f, callback=rec)(xs)
     assert rec.flat() == _reference(np.arange(4.0)) * 2
     np.testing.assert_allclose(logs["x"][:4], np.arange(4.0))
+
+
+def test_vmap_outside_tap_calls_only_lanes_where_the_event_happened():
+    """JAX runs both branches of a batched cond, and every iteration of a batched while for
+    all lanes; the callback still sees each lane's own events only."""
+
+    def f(x, n):
+        lax.cond(x > 0, lambda: el.log("pos", x), lambda: el.log("neg", x))
+
+        def body(i):
+            el.log("i", i)
+            return i + 1
+
+        return lax.while_loop(lambda i: i < n, body, 0)
+
+    rec = Recorder()
+    xs, ns = jnp.array([1.0, -2.0, 3.0]), jnp.array([2, 0, 1])
+    out = jax.vmap(el.tap(f, callback=rec))(xs, ns)
+    np.testing.assert_array_equal(np.asarray(out), [2, 0, 1])
+    got = sorted(rec.flat())
+    want = sorted([("pos", 1.0), ("neg", -2.0), ("pos", 3.0), ("i", 0), ("i", 1), ("i", 0)])
+    assert got == want

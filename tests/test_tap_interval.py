@@ -156,3 +156,25 @@ def test_split_scan_under_grad_and_vmap():
     np.testing.assert_allclose(np.asarray(out), jax.vmap(f, in_axes=(0, None))(ws, xs))
     got = rec.values("c")
     assert len(got) == 2 and all(len(v) == 2 for v in got)
+
+
+@pytest.mark.parametrize("length,k,pre", [(10, 3, 0), (10, 3, 2), (4, 5, 1), (1, 2, 0), (0, 2, 1)])
+def test_fori_loop_without_xs(length, k, pre):
+    """fori_loop with a static trip count is a scan with no xs."""
+
+    def f(c):
+        for j in range(pre):
+            el.log("c", jnp.float32(-1 - j), step=jnp.int32(-1))
+
+        def body(i, c):
+            el.log("c", c, step=i)
+            return c + 1.0
+
+        return lax.fori_loop(0, length, body, c)
+
+    rec = Recorder()
+    out = el.tap(f, callback=rec, interval=k)(jnp.float32(1.0))
+    assert float(out) == 1.0 + length
+    stream = [(-1.0 - j, -1) for j in range(pre)] + [(1.0 + i, i) for i in range(length)]
+    assert rec.values("c") == [v for v, _ in stream[::k]]
+    assert [int(s["step"]) for _, s in rec.events] == [s for _, s in stream[::k]]
