@@ -62,7 +62,15 @@ class _TapInterpreter(Interpreter):
         self.sink = sink
         self.context = context
         self._silent = False  # inside iterations whose events the interval skips
+        self._pass_on = True  # rebind the events this tap does not select
         self._guards: list[Any] = []
+        # Values that change in every iteration of the loops around an event, passed to its
+        # callback (and ignored there): under grad, JAX's scan partial eval would otherwise
+        # hoist a callback whose operands are loop-invariant out of the loop, running it once.
+        self._loop_tokens: list[Any] = []
+        # Zero-size slices of the inputs: under a `vmap` outside `tap`, JAX calls a callback
+        # once per lane only if an operand is batched; with these, unbatched events too.
+        self._lanes: list[Any] = []
 
     @contextlib.contextmanager
     def guard(self, pred: Callable[[], Any]):
@@ -83,6 +91,7 @@ class _TapInterpreter(Interpreter):
             sites = frozenset(self._eqns_of[key])
             self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
         self._reductions = dict.fromkeys(kept)
+        self._lanes = [jnp.ravel(x)[:0] for x in args]
         outs, _ = self.eval(closed, args, dict.fromkeys(groups.values(), 0))
         return outs
 
@@ -94,6 +103,8 @@ class _TapInterpreter(Interpreter):
         rule = super().rule(eqn)
         if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
             return rule
+        if eqn.primitive.name in _compat.REMAT:
+            return rule._replace(apply=self._remat)
 
         def apply(interp, eqn, invals, states):
             if eqn.primitive.name == _compat.SCAN:
@@ -103,6 +114,27 @@ class _TapInterpreter(Interpreter):
             return rule.apply(interp, eqn, invals, _dynamic(states))
 
         return rule._replace(apply=apply)
+
+    def _remat(self, interp, eqn, invals, states):
+        """A checkpointed function is recomputed in the backward pass, callbacks included, so
+        its outputs come from the checkpoint with events silenced, and its events from the
+        function evaluated once more, inline, on stop-gradient inputs (XLA merges the two
+        forward computations)."""
+        closed = _compat.call_jaxpr(eqn)
+        quiet = dict.fromkeys(self.keys(closed), 0)
+
+        def body(args):
+            return self.eval(closed, args, quiet)[0]
+
+        # silent, and other transforms' events are passed on by the inline copy only
+        saved = self._silent, self._pass_on
+        self._silent, self._pass_on = True, False
+        try:
+            outs = jax.checkpoint(body, **_compat.remat_options(eqn))(invals)
+        finally:
+            self._silent, self._pass_on = saved
+        _, states = self.eval(closed, [lax.stop_gradient(x) for x in invals], states)
+        return outs, states
 
     def _record(self, eqn):
         keys = super()._record(eqn)
@@ -148,6 +180,8 @@ class _TapInterpreter(Interpreter):
         `interval - 1` quiet iterations] + [a last partial block], when the event each
         iteration makes is known at trace time to be kept or skipped. None if not applicable."""
         period = self.policy.interval
+        if self._silent:
+            return None
         body, num_consts, num_carry = _compat.scan_parts(eqn)
         options = _compat.scan_options(eqn)
         groups = self.keys(body)
@@ -181,10 +215,15 @@ class _TapInterpreter(Interpreter):
             finally:
                 self._silent = silent
 
-        def block(carry, xs_block):
-            carry, y = loud(carry, [x[0] for x in xs_block])
+        def block(carry_index, xs_block):
+            carry, index = carry_index
+            self._loop_tokens.append(index)
+            try:
+                carry, y = loud(carry, [x[0] for x in xs_block])
+            finally:
+                self._loop_tokens.pop()
             carry, ys = quiet(carry, [x[1:] for x in xs_block], period - 1)
-            return carry, [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
+            return (carry, index + 1), [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
 
         pieces = []
         if head:
@@ -193,7 +232,7 @@ class _TapInterpreter(Interpreter):
         if blocks:
             start, stop = head, head + blocks * period
             shaped = [x[start:stop].reshape((blocks, period) + x.shape[1:]) for x in xs]
-            carry, ys = lax.scan(block, carry, shaped, length=blocks)
+            (carry, _), ys = lax.scan(block, (carry, jnp.int32(0)), shaped, length=blocks)
             pieces.append([y.reshape((blocks * period,) + y.shape[2:]) for y in ys])
         if tail:
             rest = [x[length - tail :] for x in xs]
@@ -209,7 +248,7 @@ class _TapInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
-            if _compat.logging_enabled.value:
+            if _compat.logging_enabled.value and self._pass_on:
                 _compat.bind_eqn(eqn, invals)  # not ours: an enclosing spool or tap sees it
             return
         if self._silent:  # the interval skips this event
@@ -223,10 +262,18 @@ class _TapInterpreter(Interpreter):
         mask = invals[-1] if params["masked"] else None
         groups = list(dict.fromkeys(self._group[k] for k in keys))
         wanted: dict[str, Any] = {}
+        tokens = [
+            *self._loop_tokens,
+            *(states[g] for g in groups if not isinstance(states[g], int)),
+        ]
         for g in groups:
             count = states[g]
             if mask is None and isinstance(count, int):  # known now: no work on the device
                 wanted[g] = count % self.policy.interval == 0
+                states[g] = count + 1
+                continue
+            if mask is None and self.policy.interval == 1:  # always kept
+                wanted[g] = True
                 states[g] = count + 1
                 continue
             happened = jnp.bool_(True) if mask is None else jnp.any(mask)
@@ -243,7 +290,8 @@ class _TapInterpreter(Interpreter):
         group_of = {k: self._group[k] for k in keys}
         prefix, sink = self.policy.prefix, self.sink
 
-        def host(context, values, steps, wanted, mask):
+        def host(context, values, steps, wanted, mask, tokens, lanes):
+            del tokens, lanes
             values, steps = jax.tree.map(np.asarray, (values, steps))
             if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
                 mask = np.asarray(mask)
@@ -266,7 +314,8 @@ class _TapInterpreter(Interpreter):
             flags = {g: jnp.logical_and(f, guard) for g, f in flags.items()}
 
         def emit():
-            jax.debug.callback(host, self.context, values, steps, flags, mask, ordered=True)
+            operands = (self.context, values, steps, flags, mask, tokens, self._lanes)
+            jax.debug.callback(host, *operands, ordered=True)
 
         if all(isinstance(w, bool) for w in wanted.values()):
             emit()  # kept, known at trace time

@@ -178,3 +178,22 @@ def test_fori_loop_without_xs(length, k, pre):
     stream = [(-1.0 - j, -1) for j in range(pre)] + [(1.0 + i, i) for i in range(length)]
     assert rec.values("c") == [v for v, _ in stream[::k]]
     assert [int(s["step"]) for _, s in rec.events] == [s for _, s in stream[::k]]
+
+
+def test_checkpoint_under_grad_fires_once_and_passes_other_events_on_once():
+    """A checkpointed function is recomputed in the backward pass; its tapped events fire once,
+    and the events tap does not select reach an enclosing spool once."""
+
+    def f(x):
+        def body(x):
+            el.log("mine", x, tags="t")
+            el.log("other", 2 * x)
+            return jnp.sin(x)
+
+        return jax.checkpoint(body)(x)
+
+    rec = Recorder()
+    grad, logs = el.spool(jax.grad(el.tap(f, callback=rec, tags="t")))(jnp.float32(0.5))
+    np.testing.assert_allclose(float(grad), np.cos(0.5), rtol=1e-6)
+    assert rec.values("mine") == [0.5]
+    np.testing.assert_allclose(np.asarray(logs["other"]), [1.0])
