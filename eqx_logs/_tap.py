@@ -36,6 +36,10 @@ def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
 _STRAIGHT = _compat.INLINE_CALLS | {_compat.CUSTOM_JVP, *_compat.CUSTOM_VJP}
 
 
+def _numeric(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
+
+
 def _dynamic(states: dict[str, Any]) -> dict[str, Any]:
     return {k: jnp.int32(v) if isinstance(v, int) else v for k, v in states.items()}
 
@@ -68,9 +72,9 @@ class _TapInterpreter(Interpreter):
         # callback (and ignored there): under grad, JAX's scan partial eval would otherwise
         # hoist a callback whose operands are loop-invariant out of the loop, running it once.
         self._loop_tokens: list[Any] = []
-        # Zero-size slices of the inputs: under a `vmap` outside `tap`, JAX calls a callback
-        # once per lane only if an operand is batched; with these, unbatched events too.
-        self._lanes: list[Any] = []
+        # A zero computed from every input: under a `vmap` outside `tap`, JAX calls a callback
+        # once per lane only if an operand is batched; with this one, unbatched events too.
+        self._lanes: Any = None
 
     @contextlib.contextmanager
     def guard(self, pred: Callable[[], Any]):
@@ -91,7 +95,8 @@ class _TapInterpreter(Interpreter):
             sites = frozenset(self._eqns_of[key])
             self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
         self._reductions = dict.fromkeys(kept)
-        self._lanes = [jnp.ravel(x)[:0] for x in args]
+        empty = [jnp.ravel(x)[:0].sum(dtype=jnp.int32) for x in args if _numeric(x)]
+        self._lanes = functools.reduce(jnp.add, empty, jnp.int32(0))
         outs, _ = self.eval(closed, args, dict.fromkeys(groups.values(), 0))
         return outs
 
