@@ -295,8 +295,11 @@ class _TapInterpreter(Interpreter):
         group_of = {k: self._group[k] for k in keys}
         prefix, sink = self.policy.prefix, self.sink
 
-        def host(context, values, steps, wanted, mask, tokens, lanes):
-            del tokens, lanes
+        group_list = list(wanted)
+
+        def host(context, values, steps, meta, mask):
+            # meta: each group's "wanted" flag, then the loop tokens and the lane operand
+            flags = dict(zip(group_list, np.asarray(meta)[: len(group_list)].astype(bool)))
             values, steps = jax.tree.map(np.asarray, (values, steps))
             if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
                 mask = np.asarray(mask)
@@ -309,7 +312,7 @@ class _TapInterpreter(Interpreter):
                     return np.where(m, v, np.nan)
 
                 values = jax.tree.map(hide, values)
-            logs = {prefix + k: v for k, v in values.items() if bool(wanted[group_of[k]])}
+            logs = {prefix + k: v for k, v in values.items() if flags[group_of[k]]}
             if logs:
                 sink(context, logs, steps)
 
@@ -318,9 +321,12 @@ class _TapInterpreter(Interpreter):
             guard = functools.reduce(jnp.logical_and, self._guards)
             flags = {g: jnp.logical_and(f, guard) for g, f in flags.items()}
 
+        # the scalars travel as one array: fewer buffers to move per callback
+        meta = [*flags.values(), *tokens, self._lanes]
+        meta = jnp.stack([jnp.asarray(m, jnp.int32) for m in meta])
+
         def emit():
-            operands = (self.context, values, steps, flags, mask, tokens, self._lanes)
-            jax.debug.callback(host, *operands, ordered=True)
+            jax.debug.callback(host, self.context, values, steps, meta, mask, ordered=True)
 
         if all(isinstance(w, bool) for w in wanted.values()):
             emit()  # kept, known at trace time
