@@ -64,7 +64,7 @@ def main() -> int:
         def run():
             jax.block_until_ready(fn(params, batches))
             jax.effects_barrier()
-            logger.flush()  # the JSONL lines are on disk before the clock stops
+            logger.flush()  # the JSONL lines are written (flushed) before the clock stops
 
         return run
 
