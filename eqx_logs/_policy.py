@@ -194,3 +194,13 @@ class Policy(eqx.Module):
         if self.key is not None:
             reduction = reduction.with_key(jax.random.fold_in(self.key, _stable_hash(key)))
         return reduction
+
+
+def with_options(policy: Any, where: str, **options: Any) -> Policy:
+    """`policy` (default `Policy()`) with the options that are not None; `where` names the
+    caller in the error for anything that is not a Policy."""
+    if policy is None:
+        policy = Policy()
+    elif not isinstance(policy, Policy):
+        raise TypeError(f"{where}(policy=...) takes an eqx_logs.Policy, got {policy!r}.")
+    return policy.replace(**options)

@@ -12,7 +12,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from . import _masking  # noqa: F401  (registers the batching rules for masked events)
 from ._interpret import Interpreter
 from ._logdict import LogDict
-from ._policy import Policy
+from ._policy import with_options
 from ._primitive import current_prefix, tracing_context
 from ._reductions import AbstractReduction
 from ._rules import RULES
@@ -73,11 +73,9 @@ def spool(
         out, logs = eqx_logs.spool(f)(jnp.arange(3.0))  # logs["c"] == [0., 0., 1.]
         ```
     """
-    if policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"eqx_logs.spool(policy=...) takes an eqx_logs.Policy, got {policy!r}.")
-    policy = policy.replace(
+    policy = with_options(
+        policy,
+        "eqx_logs.spool",
         reduce=reduce,
         interval=interval,
         window=window,

@@ -14,9 +14,9 @@ from jax import lax
 
 from . import _compat
 from ._interpret import Interpreter
-from ._policy import Policy
+from ._policy import Policy, with_options
 from ._primitive import current_prefix, is_log
-from ._rules import RULES, _split
+from ._rules import RULES, _custom_apply, _split
 from ._spool import trace_filtered
 
 _T = TypeVar("_T")
@@ -66,7 +66,6 @@ class _TapInterpreter(Interpreter):
         self.sink = sink
         self.context = context
         self._silent = False  # inside iterations whose events the interval skips
-        self._pass_on = True  # rebind the events this tap does not select
         self._guards: list[Any] = []
         # Values that change in every iteration of the loops around an event, passed to its
         # callback (and ignored there): under grad, JAX's scan partial eval would otherwise
@@ -109,7 +108,9 @@ class _TapInterpreter(Interpreter):
         if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
             return rule
         if eqn.primitive.name in _compat.REMAT:
-            return rule._replace(apply=self._remat)
+            # recomputed in the backward pass, callbacks included: like a custom derivative,
+            # outputs from the call with its logs stripped, events from an inline copy
+            return rule._replace(apply=_custom_apply)
 
         def apply(interp, eqn, invals, states):
             if eqn.primitive.name == _compat.SCAN:
@@ -119,27 +120,6 @@ class _TapInterpreter(Interpreter):
             return rule.apply(interp, eqn, invals, _dynamic(states))
 
         return rule._replace(apply=apply)
-
-    def _remat(self, interp, eqn, invals, states):
-        """A checkpointed function is recomputed in the backward pass, callbacks included, so
-        its outputs come from the checkpoint with events silenced, and its events from the
-        function evaluated once more, inline, on stop-gradient inputs (XLA merges the two
-        forward computations)."""
-        closed = _compat.call_jaxpr(eqn)
-        quiet = dict.fromkeys(self.keys(closed), 0)
-
-        def body(args):
-            return self.eval(closed, args, quiet)[0]
-
-        # silent, and other transforms' events are passed on by the inline copy only
-        saved = self._silent, self._pass_on
-        self._silent, self._pass_on = True, False
-        try:
-            outs = jax.checkpoint(body, **_compat.remat_options(eqn))(invals)
-        finally:
-            self._silent, self._pass_on = saved
-        _, states = self.eval(closed, [lax.stop_gradient(x) for x in invals], states)
-        return outs, states
 
     def _record(self, eqn):
         keys = super()._record(eqn)
@@ -253,7 +233,7 @@ class _TapInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
-            if _compat.logging_enabled.value and self._pass_on:
+            if _compat.logging_enabled.value:
                 _compat.bind_eqn(eqn, invals)  # not ours: an enclosing spool or tap sees it
             return
         if self._silent:  # the interval skips this event
@@ -376,18 +356,24 @@ def tap(
         eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
         ```
     """
-    if policy is None:
-        policy = Policy()
-    policy = policy.replace(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+    options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+    policy = with_options(policy, "eqx_logs.tap", **options)
     if fun is None:
         return functools.partial(tap, callback=callback, policy=policy)
     if not callable(fun):
         raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
     sink = _Callback(print_callback if callback is None else callback)
+    return tap_with(fun, policy, sink, None)
+
+
+def tap_with(fun: Callable[..., _T], policy: Policy, sink: Callable, context: Any):
+    """`fun`, calling `sink(context, logs, steps)` on the host for each selected event;
+    `context` (a pytree of arrays, such as a logger's state) is passed through."""
 
     @functools.wraps(fun)
     def tapped(*args, **kwargs):
-        return tap_call(fun, policy, sink, current_prefix(), None, args, kwargs)
+        # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
+        return _tap_call(fun, policy, sink, current_prefix(), context, args, kwargs)
 
     return tapped
 
@@ -402,10 +388,7 @@ class _Callback(eqx.Module):
 
 
 @eqx.filter_jit
-def tap_call(fun, policy, sink, scope, context, args, kwargs):
-    """Run `fun(*args, **kwargs)`, calling `sink(context, logs, steps)` on the host for each
-    selected event. `context` (a pytree of arrays) is passed through to every call; `scope` is
-    part of the cache key only."""
-    del scope
+def _tap_call(fun, policy, sink, scope, context, args, kwargs):
+    del scope  # part of the cache key only
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     return rebuild(_TapInterpreter(policy, sink, context).run(closed, flat))

@@ -14,10 +14,9 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
 from .._logdict import LogDict
-from .._policy import Policy
-from .._primitive import current_prefix
+from .._policy import Policy, with_options
 from .._spool import spool as _spool
-from .._tap import tap_call
+from .._tap import tap_with
 from ._writer import Writer
 
 _T = TypeVar("_T")
@@ -148,14 +147,6 @@ def _run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
     return key.astype(jnp.int32)
 
 
-def _policy(policy: Policy | None, **overrides: Any) -> Policy:
-    if policy is None:
-        policy = Policy()
-    elif not isinstance(policy, Policy):
-        raise TypeError(f"policy=... takes an eqx_logs.Policy, got {policy!r}.")
-    return policy.replace(**overrides)
-
-
 class AbstractLogger(eqx.Module):
     """Writes logs to a backend. Loggers are Equinox modules.
 
@@ -221,13 +212,22 @@ class AbstractLogger(eqx.Module):
     ) -> Callable[..., _T]:
         """`fun`, spooled as by `eqx_logs.spool` (same options); the logs are written to
         `state`'s run when the call completes, and `fun`'s output is returned."""
-        options = dict(reduce=reduce, interval=interval, window=window, tags=tags)
-        options.update(exclude=exclude, prefix=prefix, key=key)
-        policy = _policy(policy, **options)
+        policy = with_options(
+            policy,
+            "logger.spool",
+            reduce=reduce,
+            interval=interval,
+            window=window,
+            tags=tags,
+            exclude=exclude,
+            prefix=prefix,
+            key=key,
+        )
+        inner = _spool(fun, policy=policy, keep=keep)
 
         def spooled(*args, **kwargs):
             self._check()
-            out, logs = _spool(fun, policy=policy, keep=keep)(*args, **kwargs)
+            out, logs = inner(*args, **kwargs)
             jax.debug.callback(self._spool_host, state, logs, ordered=True)
             return out
 
@@ -247,11 +247,13 @@ class AbstractLogger(eqx.Module):
     ) -> Callable[..., _T]:
         """`fun`, tapped as by `eqx_logs.tap`: each event is written to `state`'s run as it
         happens (`interval=k` writes every k-th event of each key, gated on the device)."""
-        policy = _policy(policy, interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+        options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
+        policy = with_options(policy, "logger.tap", **options)
+        inner = tap_with(fun, policy, self._tap_host, state)
 
         def tapped(*args, **kwargs):
             self._check()
-            return tap_call(fun, policy, self._tap_host, current_prefix(), state, args, kwargs)
+            return inner(*args, **kwargs)
 
         return tapped
 

@@ -3,7 +3,7 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record, is_scalar, require
+from ._base import AbstractLogger, Record, flat_items, is_scalar, require
 
 
 class ProgressLogger(AbstractLogger):
@@ -36,9 +36,9 @@ class ProgressLogger(AbstractLogger):
         bar, latest = handle
         position = bar.n
         for r in records:
-            value = np.asarray(r["value"]) if not isinstance(r["value"], dict) else None
-            if value is not None and is_scalar(value):
-                latest[r["key"]] = f"{value.reshape(()).item():.4g}"
+            for tag, value in flat_items(r["key"], r["value"]):
+                if is_scalar(value):
+                    latest[tag] = f"{value.reshape(()).item():.4g}"
             if self.step in r:
                 position = max(position, int(np.asarray(r[self.step])) + 1)
         if not any(self.step in r for r in records):

@@ -60,9 +60,7 @@ class Writer:
             try:
                 if write is _STOP:
                     return
-                if self._error is None:
-                    write(item)
-                elif always:  # closing runs even after an error
+                if self._error is None or always:  # closing runs even after an error
                     write(item)
                 else:
                     self._skipped += 1
