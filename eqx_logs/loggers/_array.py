@@ -5,7 +5,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, host_array, unique_name
+from ._base import AbstractLogger, Record, flat_items, host_array, steps_of, unique_name
 
 _FILE = re.compile(r"^(\d+)\.npz$")
 
@@ -39,9 +39,8 @@ class ArrayLogger(AbstractLogger):
             arrays: dict[str, Any] = {"__key__": np.asarray(key)}
             for name, leaf in flat_items("value", r["value"]):
                 arrays[name] = leaf
-            for name, step in r.items():
-                if name not in ("key", "value"):
-                    arrays[f"step/{name}"] = host_array(step)
+            for name, step in steps_of(r).items():
+                arrays[f"step/{name}"] = host_array(step)
             final = os.path.join(folder, f"{handle[key]:06d}.npz")
             with open(final + ".tmp", "wb") as f:
                 np.savez(f, **arrays)

@@ -3,7 +3,7 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record
+from ._base import AbstractLogger, Record, steps_of
 
 
 def _fmt(value: Any) -> str:
@@ -41,6 +41,6 @@ class ConsoleLogger(AbstractLogger):
         value_width = max((len(v) for v in values), default=0)
         tag = f"[run {run}] " if run else ""
         for r, value in zip(records, values):
-            steps = "  ".join(f"{k}={_fmt(v)}" for k, v in r.items() if k not in ("key", "value"))
+            steps = "  ".join(f"{k}={_fmt(v)}" for k, v in steps_of(r).items())
             line = f"{tag}{r['key']:<{width}}  {value:>{value_width}}  {steps}"
             print(line.rstrip(), file=sys.stdout, flush=True)
