@@ -15,18 +15,22 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary d
 `tests/test_compat.py` checks each of these on the installed JAX version.
 """
 
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jax._src import (
     ad_checkpoint as _ad_checkpoint,
+    ad_util as _ad_util,
     config as _jax_config,
     core as _core,
     effects as _effects,
+    linear_util as _lu,
     pjit as _pjit,
     source_info_util as _source_info_util,
 )
+from jax._src.ad_util import SymbolicZero as _SymbolicZero
 from jax._src.interpreters import (
     ad as _ad,
     batching as _batching,
@@ -40,6 +44,7 @@ JaxprEqn = _core.JaxprEqn
 Literal = _core.Literal
 DropVar = _core.DropVar
 Primitive = _core.Primitive
+ShapedArray = _core.ShapedArray
 Effect = _effects.Effect
 # jax <= 0.11 wraps constants in a `ClosedJaxpr`; jax 0.12 attaches them to `Jaxpr` itself.
 _ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
@@ -176,6 +181,11 @@ def wrap_batching(name: str, make_rule: Callable[[Callable], Callable]) -> None:
     raise NotImplementedError(f"eqx_logs: no batching rule for {name!r} in this JAX version.")
 
 
+def def_batching_with_axis(prim: Primitive, rule: Callable) -> None:
+    """`rule(axis_data, args, dims, **params) -> (outs, out_dims)`."""
+    _batching.fancy_primitive_batchers[prim] = rule
+
+
 def axis_size_and_name(axis_data: Any) -> tuple[int, Any]:
     return axis_data.size, axis_data.name
 
@@ -226,12 +236,24 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
+_package_dir = os.path.dirname(os.path.abspath(__file__))
+
+
 def eqn_location(eqn: JaxprEqn) -> str:
-    """A short 'file:line (function)' of the user frame that created `eqn`."""
-    frame = _source_info_util.user_frame(eqn.source_info.traceback)
-    if frame is None:
-        return "<unknown location>"
-    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    """A short 'file:line (function)' of the user frame that created `eqn` (outside JAX and
+    eqx_logs)."""
+    for frame in _source_info_util.user_frames(eqn.source_info.traceback):
+        if not os.path.abspath(frame.file_name).startswith(_package_dir):
+            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
+    return "<unknown location>"
+
+
+def function_name(eqn: JaxprEqn) -> str:
+    """What the user wrote that made a call-like equation: its function and where it is
+    defined (`'f at file.py:12'`), else where it was called."""
+    debug = getattr(unpack(call_jaxpr(eqn))[0], "debug_info", None)
+    where = getattr(debug, "func_src_info", None)
+    return where if where else f"the call at {eqn_location(eqn)}"
 
 
 def _strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> Any:
@@ -269,7 +291,8 @@ WHILE = "while"
 COND = "cond"
 REMAT = frozenset({"remat2", "checkpoint", "remat"})
 CUSTOM_JVP = "custom_jvp_call"
-CUSTOM_VJP = frozenset({"custom_vjp_call", "custom_vjp_call_jaxpr"})
+CUSTOM_VJP = "custom_vjp_call"
+CUSTOM_CALLS = frozenset({CUSTOM_JVP, CUSTOM_VJP})
 
 
 def call_jaxpr(eqn: JaxprEqn) -> Any:
@@ -307,3 +330,124 @@ def cond_branches(eqn: JaxprEqn) -> tuple[Any, ...]:
 
 def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
     return dict(prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+
+
+def close(jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
+    """A jaxpr with its constants, in the form `unpack` reads."""
+    if _ClosedJaxpr is not None:
+        return _ClosedJaxpr(jaxpr, list(consts))
+    return jaxpr.with_consts(list(consts)) if consts else jaxpr
+
+
+# ----------------------------------------------------------------------------------------
+# Custom derivatives rebuilt with extra inputs and outputs (the reduction states), as JAX's
+# checkify does: the same primitive is bound again with new functions for the primal, the
+# forward or JVP rule, and the backward rule. The user's rules run once, inside them.
+# ----------------------------------------------------------------------------------------
+
+
+def _wrap(fun: Callable, like: Any) -> Any:
+    return _lu.wrap_init(fun, debug_info=like.debug_info)
+
+
+def _tangent_zero(x: Any, symbolic: bool) -> Any:
+    aval = _core.typeof(x).to_tangent_aval()
+    return _SymbolicZero(aval) if symbolic else _ad_util.zeros_like_aval(aval)
+
+
+def bind_custom_jvp(
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    extra: Sequence[Any],
+    fun: Callable,
+    rule: Callable,
+    rule_context: Callable[[], Any],
+) -> list[Any]:
+    """Bind a `custom_jvp_call` equation again on `[*invals, *extra]`. `fun(invals, extra)`
+    returns `[*outs, *extra_outs]` (the primal); `rule(jvp_jaxpr, primals, tangents, extra)`
+    evaluates the user's JVP jaxpr (on the non-constant inputs and their nonzero tangents)
+    and returns `(outs, nonzero_out_tangents, extra_outs)`. Extra outputs have zero tangents.
+    The user's rule is traced (when JAX differentiates) under the context manager
+    `rule_context()`. Returns `[*outs, *extra_outs]`."""
+    params = eqn.params
+    n_in, num_consts, jvp_fun = len(invals), params["num_consts"], params["jvp_jaxpr_fun"]
+
+    def fun_(*xs):
+        return fun(list(xs[:n_in]), list(xs[n_in:]))
+
+    def jvp_(*xs):
+        n = len(xs) // 2
+        primals, tangents = xs[num_consts:n_in], xs[n + num_consts : n + n_in]
+        zeros = [type(t) is _SymbolicZero for t in tangents]
+        with rule_context():
+            jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+        nonzero = [t for t in tangents if type(t) is not _SymbolicZero]
+        outs, out_tangents, extra_outs = rule(
+            close(jaxpr, consts), list(primals), nonzero, list(xs[n_in:n])
+        )
+        it = iter(out_tangents)
+        symbolic = params["symbolic_zeros"]
+        out_tangents = [
+            _tangent_zero(p, symbolic) if z else next(it) for p, z in zip(outs, out_zeros)
+        ]
+        extra_tangents = [_tangent_zero(x, symbolic) for x in extra_outs]
+        return [*outs, *extra_outs, *out_tangents, *extra_tangents]
+
+    subfuns = (_wrap(fun_, jvp_fun), _wrap(jvp_, jvp_fun))
+    out = eqn.primitive.bind(
+        *invals, *extra, subfuns=subfuns, symbolic_zeros=params["symbolic_zeros"]
+    )
+    return list(out)
+
+
+def bind_custom_vjp(
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    extra: Sequence[Any],
+    fun: Callable,
+    fwd: Callable,
+    fwd_context: Callable[[], Any],
+    bwd_context: Callable[[], Any],
+) -> list[Any]:
+    """Bind a `custom_vjp_call` equation again on `[*invals, *extra]`. `fun(invals, extra)`
+    returns `[*outs, *extra_outs]` (the primal); `fwd(fwd_jaxpr, args, extra)` evaluates the
+    user's forward jaxpr (on the non-constant inputs) and returns `(res_and_outs,
+    extra_outs)`. The user's forward rule is traced under the context manager
+    `fwd_context()`, its backward rule under `bwd_context()`, on the cotangents of `outs`;
+    extra inputs get zero cotangents. Returns `[*outs, *extra_outs]`."""
+    params = eqn.params
+    n_in, num_consts = len(invals), params["num_consts"]
+    thunk, bwd, out_trees = params["fwd_jaxpr_thunk"], params["bwd"], params["out_trees"]
+
+    def fun_(*xs):
+        return fun(list(xs[:n_in]), list(xs[n_in:]))
+
+    def fwd_(*xs):
+        vals, nonzeros = xs[::2], xs[1::2]
+        if any(nonzeros[:num_consts]):
+            raise _ad.CustomVJPException()
+        with fwd_context():
+            jaxpr, consts = thunk.call_wrapped(*nonzeros[num_consts:n_in])
+        res_and_outs, extra_outs = fwd(
+            close(jaxpr, consts), list(vals[num_consts:n_in]), list(vals[n_in:])
+        )
+        return [*res_and_outs, *extra_outs]
+
+    n_out = len(eqn.outvars)
+
+    def bwd_(*xs):
+        num_res = out_trees()[1].num_leaves
+        res, cts = xs[:num_res], xs[num_res : num_res + n_out]
+        with bwd_context():
+            cts_in = bwd.call_wrapped(*res, *cts)
+        return [*[None] * num_consts, *cts_in, *[None] * len(extra)]
+
+    subfuns = (_wrap(fun_, thunk), _wrap(fwd_, thunk), _wrap(bwd_, bwd))
+    out = eqn.primitive.bind(
+        *invals,
+        *extra,
+        subfuns=subfuns,
+        out_trees=out_trees,
+        symbolic_zeros=params["symbolic_zeros"],
+    )
+    return list(out)

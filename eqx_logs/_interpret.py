@@ -14,22 +14,27 @@ Two passes over a traced program:
 import contextlib
 import dataclasses
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 
-from . import _compat
+from . import _compat, _lanes
 from ._buffers import NeedsBound
+from ._deferred import Lazy, Producers, force, log_only
 from ._logdict import LogDict
 from ._policy import Policy
-from ._primitive import is_log, log_effect
+from ._primitive import is_log, log_effect, rebind
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
+
+# With `interval=k`, events that carry a step of this name are kept where it is a multiple of
+# k (in a per-step training loop, one jitted call per step, only the step can tell).
+INTERVAL_STEP = "step"
 
 
 class UnhandledPrimitiveError(NotImplementedError):
@@ -132,15 +137,90 @@ def unbounded(counts: Counts) -> Counts:
 class Interpreter:
     """Evaluates jaxprs, folding log events into per-key reduction states."""
 
-    # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`). Spool
-    # does not need it: a `vmap` outside it selects the states of untaken branches away.
+    # Whether custom_jvp/custom_vjp calls are rebuilt even when their primal does not log:
+    # their rules, traced later by JAX, may log (see `_rules.py`).
+    wraps_custom_rules = True
+
+    # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`) even
+    # where no lane value is known. Spool does not need it: a `vmap` outside it selects the
+    # states of untaken branches away (for predicates JAX batches; see `_lanes.py`).
     tracks_guards = False
 
     @contextlib.contextmanager
-    def guard(self, pred: Callable[[], Any]):
+    def guard(self, pred: Callable[[], Any], lane: Any = None):
         """Evaluate what follows only where `pred()` holds (a cond branch's index, a while
-        loop's predicate). Rules call it; the base interpreter ignores it."""
-        yield
+        loop's predicate). `lane` is the same condition as each vmap lane would compute it
+        alone, where that differs (`_lanes.py`): events under it are masked with it."""
+        if lane is None:
+            yield
+            return
+        self._lane_guards.append(lane)
+        try:
+            yield
+        finally:
+            self._lane_guards.pop()
+
+    def lane_mask(self) -> Any:
+        """The conjunction of the lane guards around the current equation, or None."""
+        if not self._lane_guards:
+            return None
+        return functools.reduce(jnp.logical_and, self._lane_guards)
+
+    def threadable(self, states: dict[str, Any]) -> dict[str, Any]:
+        """`states` as arrays, to pass through a function JAX traces separately."""
+        return states
+
+    def snapshot(self) -> tuple[Any, Any]:
+        """What events depend on besides the states: `(arrays, static)`, to pass into a
+        function JAX may trace later (a custom derivative rule) and `restored` there."""
+        return {"lane_guards": list(self._lane_guards)}, None
+
+    @contextlib.contextmanager
+    def restored(self, context: Any, static: Any):
+        """Evaluate under a `snapshot()` taken elsewhere."""
+        del static
+        saved, self._lane_guards = self._lane_guards, list(context["lane_guards"])
+        try:
+            yield
+        finally:
+            self._lane_guards = saved
+
+    def lane_of(self, x: Any) -> Any:
+        """The lane value of `x` (a value `eval` produced), or None if it has none."""
+        hit = self._lane_values.get(id(x))
+        return None if hit is None or hit[0] is not x else hit[1]
+
+    def lanes(self, xs: Sequence[Any]) -> dict[int, Any]:
+        """The lane values of `xs`, by position, where they have one."""
+        return {i: lane for i, x in enumerate(xs) if (lane := self.lane_of(x)) is not None}
+
+    def with_lanes(self, xs: Sequence[Any], lanes: dict[int, Any]) -> None:
+        """Give `xs[i]` the lane value `lanes[i]`: values entering a loop body or branch.
+        Only integer and boolean values (those that steer control flow) keep one."""
+        for i, lane in lanes.items():
+            x = xs[i]
+            # not a Python scalar (their ids are shared)
+            if isinstance(x, jax.Array) and not jnp.issubdtype(x.dtype, jnp.inexact):
+                self._lane_values[id(x)] = (x, lane)
+
+    def in_step(self, xs: Sequence[Any], lanes: dict[int, Any]) -> Any:
+        """Whether (per lane) each `xs[i]` equals its lane value `lanes[i]`: a loop iteration
+        runs for a lane on its own only where its carried control values agree with what the
+        lane alone would have (None if no value has a lane value)."""
+        if not lanes:
+            return None
+        same = [jnp.equal(xs[i], lane) for i, lane in lanes.items()]
+        return functools.reduce(jnp.logical_and, same)
+
+    def lanes_like(self, xs: Sequence[Any], like: dict[int, Any]) -> dict[int, Any]:
+        """The lane values of `xs` at the positions of `like`, shaped like those (a value
+        without a lane value is its own): what a loop carries from one iteration to the
+        next."""
+        out = {}
+        for i, old in like.items():
+            lane = self.lane_of(xs[i])
+            out[i] = jnp.broadcast_to(xs[i] if lane is None else lane, jnp.shape(old))
+        return out
 
     def __init__(self, policy: Policy, rules: dict[str, Any], *, keep: bool = False):
         self.policy = policy
@@ -149,6 +229,11 @@ class Interpreter:
         self.info: dict[str, _KeyInfo] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
         self._has_log: dict[int, tuple[Any, bool]] = {}
+        self._lane_guards: list[Any] = []
+        # the custom derivative rule being evaluated, if any (its events may pass on)
+        self.rule_name: str | None = None
+        self._lane_values: dict[int, tuple[Any, Any]] = {}  # id(x) -> (x, its lane value)
+        self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
 
     # -- first pass ---------------------------------------------------------------------
 
@@ -159,6 +244,11 @@ class Interpreter:
             found = any(is_log(e) or self.eqn_has_log(e) for e in jaxpr.eqns)
             hit = self._has_log[id(closed)] = (closed, found)
         return hit[1]
+
+    def has_lanes(self, closed: Any) -> bool:
+        """Whether `closed` computes values that have lane values (`_lanes.py`)."""
+        jaxpr, _ = _compat.unpack(closed)
+        return any(_lanes.is_lane_primitive(e) for e in jaxpr.eqns)
 
     def eqn_has_log(self, eqn: _compat.JaxprEqn) -> bool:
         if log_effect in eqn.effects:
@@ -249,77 +339,158 @@ class Interpreter:
         jaxpr, consts = _compat.unpack(closed)
         states = dict(states)
         env: dict[Any, Any] = {}
+        producers, deferred = self._log_only(jaxpr)
 
         def read(v):
-            return v.val if isinstance(v, _compat.Literal) else env[v]
+            if isinstance(v, _compat.Literal):
+                return v.val
+            if v in env or v not in producers:
+                return env[v]
+            return Lazy(v, env, producers)  # computed only for logs: when an event needs it
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
         for v, x in zip(jaxpr.invars, args):
             env[v] = x
         for eqn in jaxpr.eqns:
+            if id(eqn) in deferred:
+                continue
             invals = [read(v) for v in eqn.invars]
             if is_log(eqn):
                 self._event(eqn, invals, states)
                 outs = []
-            elif self.eqn_has_log(eqn):
+            elif self.eqn_has_log(eqn) or (
+                self.wraps_custom_rules and eqn.primitive.name in _compat.CUSTOM_CALLS
+            ):
                 outs, states = self.rule(eqn).apply(self, eqn, invals, states)
             else:
                 outs = _compat.bind_eqn(eqn, invals)
+            if self._lane_values or _lanes.is_lane_primitive(eqn):
+                self._follow_lanes(eqn, invals, outs)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars], states
 
+    def _log_only(self, jaxpr: Any) -> tuple[Producers, set[int]]:
+        """The equations of `jaxpr` that only logs use (`_deferred.py`), cached."""
+        hit = self._log_only_cache.get(id(jaxpr))
+        if hit is None:
+
+            def keeps(eqn):
+                return is_log(eqn) or self.eqn_has_log(eqn) or _lanes.is_lane_primitive(eqn)
+
+            producers = log_only(jaxpr, keeps)
+            deferred = {id(eqn) for _, eqn in producers.values()}
+            hit = self._log_only_cache[id(jaxpr)] = (jaxpr, producers, deferred)
+        return hit[1], hit[2]
+
+    def _follow_lanes(self, eqn: _compat.JaxprEqn, invals: list[Any], outs: list[Any]) -> None:
+        """Record the lane values of `eqn`'s outputs (see `_lanes.py`)."""
+        inlanes = [self.lane_of(x) for x in invals]
+        if _lanes.is_lane_primitive(eqn):
+            lanes = [
+                _lanes.lane_value(eqn, [x if y is None else y for x, y in zip(invals, inlanes)])
+            ]
+        else:
+            if all(lane is None for lane in inlanes):
+                return
+            lanes = _lanes.propagate(eqn, invals, inlanes)
+            if lanes is None:
+                return
+        self.with_lanes(outs, dict(enumerate(lanes)))
+
     def _event(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> None:
-        selected = self.policy.selects(eqn.params["tags"])
+        """Fold the events of one log equation into the states. Operands computed only for
+        logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
+        inside the `lax.cond` that folds it in."""
+        params = eqn.params
+        selected = self.policy.selects(params["tags"])
         if (not selected or self.keep) and _compat.logging_enabled.value:
-            _compat.bind_eqn(eqn, invals)  # not ours (or kept): an enclosing spool sees it
+            # not ours (or kept): an enclosing spool sees it
+            rebind(eqn, force(invals), self.lane_mask())
         if not selected:
             return
-        params = eqn.params
         treedef = params["treedef"]
         n_leaves = treedef.num_leaves
-        items = jtu.tree_unflatten(treedef, invals[:n_leaves])
-        steps = dict(zip(params["steps"], invals[n_leaves:]))
-        mask = invals[-1] if params["masked"] else True
-        for key, value in items.items():
-            if key not in states:
-                continue  # dropped by a rule
-            info = self.info[key]
-            leaves = jtu.tree_leaves(value)
-            value = jtu.tree_unflatten(
-                info.treedef,
-                [
-                    jax.lax.stop_gradient(jnp.asarray(x, s.dtype))
-                    for x, s in zip(leaves, info.leaves)
-                ],
-            )
-            event = {
-                "value": value,
-                **{
-                    f"step:{name}": jnp.asarray(steps[name], s.dtype)
-                    if name in steps
-                    else jnp.full(s.shape, -1, s.dtype)
-                    for name, s in info.steps.items()
-                },
-            }
-            states[key] = self._update(key, states[key], event, mask)
+        items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
+        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        mask = force(invals[-1:])[0] if params["masked"] else True
+        lane = self.lane_mask()
+        if lane is not None:
+            mask = jnp.logical_and(mask, lane)
+        # Keys without a state here are dropped by a Policy rule, or logged by a custom
+        # derivative rule but not by its primal (`_rules.py`): those pass on, and warn if no
+        # enclosing spool or tap captures them.
+        passed = [k for k in items if k not in states and not self._dropped(k)]
+        if passed and _compat.logging_enabled.value:
+            rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
+        keys = [k for k in items if k in states]
+        valid = {}
+        for key in keys:
+            states[key], valid[key] = self._gate(key, states[key], steps, mask)
 
-    def _update(
-        self, key: str, state: dict[str, Any], event: dict[str, Any], mask: Any
-    ) -> dict[str, Any]:
-        """Fold one event into a key's state; `mask` (True, or a bool per batch lane) says
-        where the event really happened."""
+        def fold(sub, leaves):
+            for key in keys:
+                value = jtu.tree_map(lambda i: leaves[i], items[key])
+                sub[key] = self._fold(key, sub[key], self._event_of(key, value, steps), valid[key])
+            return sub
+
+        sub = {k: states[k] for k in keys}
+        lazy = any(isinstance(x, Lazy) for x in invals[:n_leaves])
+        if not lazy or all(v is True for v in valid.values()):
+            sub = fold(sub, force(invals[:n_leaves]))
+        else:  # computed only if some event is kept
+            kept = functools.reduce(jnp.logical_or, [jnp.any(v) for v in valid.values()])
+            sub = lax.cond(kept, lambda s: fold(s, force(invals[:n_leaves], {})), lambda s: s, sub)
+        states.update(sub)
+
+    def _event_of(self, key: str, value: Any, steps: dict[str, Any]) -> dict[str, Any]:
+        """One event of `key`, cast to its recorded types: the value and every step."""
+        info = self.info[key]
+        leaves = [
+            jax.lax.stop_gradient(jnp.asarray(x, s.dtype))
+            for x, s in zip(jtu.tree_leaves(value), info.leaves)
+        ]
+        event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
+        for name, s in info.steps.items():
+            step = steps[name] if name in steps else jnp.full(s.shape, -1, s.dtype)
+            event[f"step:{name}"] = jnp.asarray(step, s.dtype)
+        return event
+
+    def _dropped(self, key: str) -> bool:
+        return isinstance(self.policy.reduction(key), str)
+
+    def _gate(
+        self, key: str, state: dict[str, Any], steps: dict[str, Any], mask: Any
+    ) -> tuple[dict[str, Any], Any]:
+        """Whether an event of `key` is kept (True, or a bool per batch lane), and the state
+        with it counted. `mask` says where the event really happened. With `interval=k`, an
+        event that carries the step `INTERVAL_STEP` is kept where that step is a multiple of
+        k; other events are numbered per key (0, k, 2k, ... are kept)."""
         state = dict(state)
+        batch = self.info[key].batch_shape()
         valid = mask
-        if self.policy.interval > 1:  # events 0, k, 2k, ... of this key
-            period = jnp.int32(self.policy.interval)
-            valid = jnp.logical_and(lax.rem(state["seen"], period) == 0, mask)
+        period = self.policy.interval
+        if period > 1:
+            if mask is not True:
+                mask = _lanes.fit(mask, batch)
+            if INTERVAL_STEP in steps:
+                number = jnp.asarray(steps[INTERVAL_STEP])
+            else:
+                number = state["seen"]
+            valid = jnp.logical_and(lax.rem(number, jnp.asarray(period, number.dtype)) == 0, mask)
             state["seen"] = state["seen"] + jnp.asarray(mask, jnp.int32)
         if valid is not True:
-            valid = jnp.broadcast_to(valid, self.info[key].batch_shape())
+            valid = _lanes.fit(valid, batch)
         state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
+        return state, valid
+
+    def _fold(
+        self, key: str, state: dict[str, Any], event: dict[str, Any], valid: Any
+    ) -> dict[str, Any]:
+        """Fold one event into every channel of a key's state, where `valid`."""
+        state = dict(state)
         nbatch = self.info[key].nbatch
         for channel, reduction in self._channels[key].items():
 
@@ -349,14 +520,15 @@ class Interpreter:
                     "value": reduction,
                     **{f"step:{n}": step for n in info.steps},
                 }
+        self._step_bounds: dict[str, int] = {}
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states)
         values, count, steps, names, rows = {}, {}, {}, {}, {}
         for key, state in states.items():
             name = self.policy.prefix + key
             nbatch = self.info[key].nbatch
-            count[name] = state["count"]
             reduction = self._reductions[key]
+            count[name] = self._check_room(key, reduction, state["count"])
             names[name] = type(reduction).__name__
             if reduction.event_axes:
                 rows[name] = _vmap(reduction.rows, nbatch)(state["value"])
@@ -369,10 +541,29 @@ class Interpreter:
                     steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
 
+    def _check_room(self, key: str, reduction: Any, count: Any) -> Any:
+        """A buffer sized for the events an interval keeps assumes one event per step value:
+        keeping more (steps that repeat) is a runtime error, not a silent loss."""
+        bound = self._step_bounds.get(key)
+        if bound is None or not reduction.event_axes or getattr(reduction, "capacity", None):
+            return count
+        return eqx.error_if(
+            count,
+            count > bound,
+            f"eqx_logs.spool: interval={self.policy.interval} kept more events of key "
+            f"{key!r} than its buffer holds ({bound}): it keeps the events whose "
+            f"`{INTERVAL_STEP}` is a multiple of the interval, and the buffer assumes one event "
+            f"per step value, but `{INTERVAL_STEP}` repeats (logged at "
+            f"{_site_list(self.info[key].sites)}). Log a step that grows with every event, or "
+            "pass a capacity: `reduce=eqx_logs.Stack(capacity=N)`.",
+        )
+
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]
         if bound is not None:
-            bound = math.ceil(bound / self.policy.interval)
+            bound = -(-bound // self.policy.interval)  # a ceiling that stays symbolic
+            if self.policy.interval > 1 and INTERVAL_STEP in info.steps:
+                self._step_bounds[key] = bound
         lane = {"value": info.lane_struct()}
         for name, s in info.steps.items():
             lane[f"step:{name}"] = jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)

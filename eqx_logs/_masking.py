@@ -16,14 +16,17 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat
+from ._deferred import force
 from ._interpret import Interpreter
 from ._policy import Policy
-from ._primitive import log_effect, log_p
+from ._primitive import log_effect, rebind
 from ._rules import RULES
 
 
 class _MaskInterpreter(Interpreter):
     """Re-evaluates a jaxpr, adding `mask` to every log (through nested control flow)."""
+
+    wraps_custom_rules = False  # the spool or tap around the vmap does it
 
     def __init__(self, mask: Any):
         super().__init__(Policy(), RULES)
@@ -31,20 +34,17 @@ class _MaskInterpreter(Interpreter):
         self._reductions = {}  # no states to thread
 
     def _event(self, eqn, invals, states):
-        params = dict(eqn.params)
-        if params["masked"]:
-            *invals, mask = invals
-            mask = jnp.logical_and(mask, self.mask)
-        else:
-            mask = self.mask
-        params["masked"] = True
-        log_p.bind(*invals, jnp.asarray(mask, bool), **params)
+        lane = self.lane_mask()
+        mask = self.mask if lane is None else jnp.logical_and(self.mask, lane)
+        rebind(eqn, force(invals), mask)
 
 
 def masked_eval(closed: Any, args: Sequence[Any], mask: Any) -> list[Any]:
-    """Evaluate `closed` on `args` with every log inside masked by `mask`."""
-    outs, _ = _MaskInterpreter(mask).eval(closed, args, {})
-    return outs
+    """Evaluate `closed` on `args` with every log inside masked by `mask`. Outputs that have
+    a lane value (`_lanes.py`: Equinox's loop predicates) are returned as their lane value."""
+    interp = _MaskInterpreter(mask)
+    outs, _ = interp.eval(closed, args, {})
+    return [x if interp.lane_of(x) is None else interp.lane_of(x) for x in outs]
 
 
 def _has_log(*closed: Any) -> bool:

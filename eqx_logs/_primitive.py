@@ -15,6 +15,7 @@ import functools
 import os
 import sys
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -47,9 +48,26 @@ def _log_abstract_eval(*avals, **params):
     return [], {log_effect}
 
 
+def _lost_message(site: str, rule: str) -> str:
+    return (
+        f"eqx_logs.log at {site}, in a custom derivative rule of {rule}, ran outside every "
+        "spool and tap, so its events are lost: the derivative was taken outside the spool "
+        "(as in `jax.grad(spool(f))`), and the spool's outputs were fixed by the primal "
+        "function. Put the spool outside the derivative to capture them: "
+        "`eqx_logs.spool(jax.grad(f))`."
+    )
+
+
+class LostEventsWarning(UserWarning):
+    """Log events that no spool or tap captured (see `_lost_message`)."""
+
+
 @log_p.def_impl
-def _log_impl(*args, site, **params):
+def _log_impl(*args, site, rule, **params):
     del args, params
+    if rule is not None:
+        warnings.warn(_lost_message(site, rule), LostEventsWarning, stacklevel=2)
+        return []
     raise RuntimeError(
         f"eqx_logs.log at {site} was evaluated eagerly while a spool or tap was tracing (for "
         "example under `jax.ensure_compile_time_eval`). Its value cannot be captured there: "
@@ -78,13 +96,53 @@ def _log_batch(args, dims, *, nbatch, **params):
 _compat.def_jvp(log_p, _log_jvp)
 _compat.def_batching(log_p, _log_batch)
 _compat.keep_in_loops(log_p, LogEffect)
-# A log that reaches compilation was traced with logging on but never consumed by a spool or
-# tap interpreter (so it is outside every spool): it does nothing, like `log` outside a spool.
-_compat.def_lowering(log_p, lambda *args, **params: [])
+
+
+def _log_lowering(*args, site, rule, **params):
+    """A log that reaches compilation was traced with logging on but never consumed by a
+    spool or tap interpreter (so it is outside every spool): it does nothing, like `log`
+    outside a spool. A custom rule's backward pass is the one way this loses events."""
+    del args, params
+    if rule is not None:
+        warnings.warn(_lost_message(site, rule), LostEventsWarning, stacklevel=2)
+    return []
+
+
+_compat.def_lowering(log_p, _log_lowering)
 
 
 def is_log(eqn: _compat.JaxprEqn) -> bool:
     return eqn.primitive is log_p
+
+
+def rebind(
+    eqn: _compat.JaxprEqn,
+    invals: list[Any],
+    mask: Any = None,
+    *,
+    keys: list[str] | None = None,
+    rule: str | None = None,
+) -> None:
+    """Bind a log equation again (for an enclosing spool or tap): only `keys` of it (None:
+    all), its events masked by `mask` too (a bool per lane; None: as they were), and marked
+    as coming from the backward or forward `rule` of a custom derivative (None: as it was)."""
+    params = dict(eqn.params)
+    if mask is None and keys is None and rule is None:
+        _compat.bind_eqn(eqn, invals)
+        return
+    treedef, n_steps = params["treedef"], len(params["steps"])
+    items = jtu.tree_unflatten(treedef, invals[: treedef.num_leaves])
+    if keys is not None:
+        items = {k: items[k] for k in keys}
+    leaves, params["treedef"] = jtu.tree_flatten(items)
+    rest = invals[treedef.num_leaves :]
+    steps, old = rest[:n_steps], rest[n_steps:]
+    if mask is not None:
+        mask = jnp.logical_and(old[0], mask) if params["masked"] else mask
+        old, params["masked"] = [jnp.asarray(mask, bool)], True
+    if rule is not None:
+        params["rule"] = rule
+    log_p.bind(*leaves, *steps, *old, **params)
 
 
 # ----------------------------------------------------------------------------------------
@@ -135,6 +193,23 @@ def scope(name: str) -> Iterator[None]:
 
 def current_prefix() -> str:
     return "/".join(_scopes())
+
+
+@contextlib.contextmanager
+def logging_as(prefix: str, rule: str | None = None) -> Iterator[None]:
+    """Logging on, under the scope `prefix` (a function JAX traces later, such as a custom
+    derivative rule, logs as where it was written). `rule` names the custom rule whose
+    backward pass this is: its events are lost if no spool or tap captures them."""
+    scopes, old_rule = _scopes(), getattr(_local, "rule", None)
+    saved = list(scopes)
+    scopes[:] = prefix.split("/") if prefix else []
+    _local.rule = rule
+    try:
+        with tracing_context(enabled=True):
+            yield
+    finally:
+        scopes[:] = saved
+        _local.rule = old_rule
 
 
 @contextlib.contextmanager
@@ -320,6 +395,7 @@ def bind(
         tags=tags,
         reduce=reduce,
         site=site,
+        rule=getattr(_local, "rule", None),
         nbatch=0,
         masked=False,
     )

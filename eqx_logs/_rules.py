@@ -10,15 +10,19 @@ A rule has two functions:
 To support a new primitive, write these two functions and `register` them under its name.
 """
 
+import contextlib
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
 from jax import lax
 
 from . import _compat
 from ._interpret import Counts, Interpreter, max_counts, unbounded
-from ._primitive import is_log, log_effect
+from ._primitive import current_prefix, is_log, log_effect, logging_as
 
 
 class Rule(NamedTuple):
@@ -78,20 +82,126 @@ def _remat_apply(interp, eqn, invals, states):
 register(_compat.REMAT, _call_count, _remat_apply)
 
 
-# -- custom_jvp / custom_vjp --------------------------------------------------------------------
-# The outputs come from the original custom call with its logs removed, so derivatives still
-# use the user's rule; the events come from evaluating the primal jaxpr on stop-gradient inputs
-# (XLA deduplicates the two copies of the primal computation).
+# -- calls with their logs evaluated separately ----------------------------------------------
+# The outputs come from the original call with its logs removed; the events come from
+# evaluating its jaxpr again on stop-gradient inputs (XLA deduplicates straight-line copies,
+# not loops). tap uses this for remat, whose body JAX recomputes in the backward pass.
 
 
-def _custom_apply(interp, eqn, invals, states):
+def inline_copy_apply(interp, eqn, invals, states):
     outs = _compat.bind_eqn(_compat.strip_eqn(eqn, is_log, log_effect), invals)
     primal = [lax.stop_gradient(x) for x in invals]
+    interp.with_lanes(primal, interp.lanes(invals))
     _, states = interp.eval(_compat.call_jaxpr(eqn), primal, states)
     return outs, states
 
 
-register([_compat.CUSTOM_JVP, *_compat.CUSTOM_VJP], _call_count, _custom_apply)
+# -- custom_jvp / custom_vjp: the custom rule rebuilt with the states threaded through ---------
+# The primitive is bound again with the states (and what events depend on: the lane guards
+# and lane values, see `_lanes.py`) as extra inputs and outputs. The primal is evaluated by
+# the interpreter; so is the user's JVP or forward rule when JAX differentiates the call (its
+# events then replace the primal's, as its computation does); the backward rule gets the
+# cotangents of the real outputs, and the states get zero cotangents. User code runs once.
+
+
+class _Threaded:
+    """How the states and context of one custom call travel as flat extra operands."""
+
+    def __init__(self, interp, eqn, invals, states):
+        self.interp, self.eqn = interp, eqn
+        self.closed = _compat.call_jaxpr(eqn)
+        self.num_consts = eqn.params["num_consts"]
+        sub = interp.threadable(_only(states, interp.keys(self.closed)))
+        lanes = interp.lanes(invals[self.num_consts :])
+        context, self.static = interp.snapshot()
+        extra, self.in_def = jtu.tree_flatten((sub, context, lanes))
+        self.extra = [jnp.asarray(x) for x in extra]
+        self.out_def = None
+        self.prefix = current_prefix()
+        kind = eqn.primitive.name.removesuffix("_call")
+        self.name = f"the {kind} function {_compat.function_name(eqn)}"
+
+    def run(self, closed, args, extra, *, rule):
+        """Evaluate `closed` (the primal, or the user's rule) on `args` (without constants,
+        for a rule); returns `(outs, flat states)`."""
+        interp = self.interp
+        sub, context, lanes = jtu.tree_unflatten(self.in_def, extra)
+        if rule:
+            self._check(closed)
+        saved, interp.rule_name = interp.rule_name, self.name if rule else interp.rule_name
+        try:
+            logging = logging_as(self.prefix) if rule else contextlib.nullcontext()
+            with interp.restored(context, self.static), logging:
+                interp.with_lanes(args if rule else args[self.num_consts :], lanes)
+                outs, sub = interp.eval(closed, args, sub)
+        finally:
+            interp.rule_name = saved
+        leaves, self.out_def = jtu.tree_flatten(sub)
+        return outs, leaves
+
+    def _check(self, closed):
+        """The states were made for the primal's events: a rule may log a key at most as
+        often as the primal (keys the primal does not log pass on, see `Interpreter._event`)."""
+        interp = self.interp
+        primal = interp.count(self.closed)
+        for key, n in interp.count(closed).items():
+            bound = primal.get(key)
+            if key in primal and bound is not None and (n is None or n > bound):
+                raise ValueError(
+                    f"eqx_logs: the custom derivative rule of {self.name} logs key {key!r} "
+                    f"more often than its primal does (at "
+                    f"{', '.join(dict.fromkeys(interp.info[key].sites))}). Under "
+                    "differentiation the rule runs instead of the primal, and the events of "
+                    "each key were counted in the primal: log the key at most as often in the "
+                    "rule (call the primal function from it), or use a reduction of fixed size."
+                )
+
+    def rule_context(self):
+        """Where the user's rule is traced (when JAX differentiates, after the spool traced
+        the call): logging on, under the call's scope."""
+        return logging_as(self.prefix)
+
+    def finish(self, flat, states):
+        n = len(self.eqn.outvars)
+        sub = jtu.tree_unflatten(self.out_def, flat[n:])
+        return flat[:n], {**states, **sub}
+
+
+def _custom_jvp_apply(interp, eqn, invals, states):
+    t = _Threaded(interp, eqn, invals, states)
+    n = len(eqn.outvars)
+
+    def fun(args, extra):
+        outs, leaves = t.run(t.closed, args, extra, rule=False)
+        return [*outs, *leaves]
+
+    def rule(jvp_closed, primals, tangents, extra):
+        outs, leaves = t.run(jvp_closed, [*primals, *tangents], extra, rule=True)
+        return outs[:n], outs[n:], leaves
+
+    flat = _compat.bind_custom_jvp(eqn, invals, t.extra, fun, rule, t.rule_context)
+    return t.finish(flat, states)
+
+
+def _custom_vjp_apply(interp, eqn, invals, states):
+    t = _Threaded(interp, eqn, invals, states)
+
+    def fun(args, extra):
+        outs, leaves = t.run(t.closed, args, extra, rule=False)
+        return [*outs, *leaves]
+
+    def fwd(fwd_closed, args, extra):
+        return t.run(fwd_closed, args, extra, rule=True)
+
+    def bwd_context():  # its logs reach an enclosing spool or tap, if any (see `log_p`)
+        return logging_as(t.prefix, rule=t.name)
+
+    flat = _compat.bind_custom_vjp(eqn, invals, t.extra, fun, fwd, t.rule_context, bwd_context)
+    return t.finish(flat, states)
+
+
+register(_compat.CUSTOM_JVP, _call_count, _custom_jvp_apply)
+register(_compat.CUSTOM_VJP, _call_count, _custom_vjp_apply)
 
 
 # -- scan: states ride in the carry -----------------------------------------------------------
@@ -108,12 +218,20 @@ def _scan_apply(interp, eqn, invals, states):
     consts, init, xs = _split(invals, num_consts, num_carry)
 
     def step(carry, x):
-        values, sub = carry
-        outs, sub = interp.eval(body, [*consts, *values, *x], sub)
-        return (outs[:num_carry], sub), outs[num_carry:]
+        values, lanes, sub = carry
+        live = interp.in_step(values, lanes)  # see _while_apply
+        interp.with_lanes(values, lanes)
+        with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
+            outs, sub = interp.eval(body, [*consts, *values, *x], sub)
+        values = outs[:num_carry]
+        new_lanes = interp.lanes_like(values, lanes)
+        lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
+        return (values, lanes, sub), outs[num_carry:]
 
     init_sub = _only(states, interp.keys(body))
-    (values, sub), ys = lax.scan(step, (init, init_sub), xs, **_compat.scan_options(eqn))
+    carry = (init, interp.lanes(init), init_sub)
+    (values, lanes, sub), ys = lax.scan(step, carry, xs, **_compat.scan_options(eqn))
+    interp.with_lanes(values, lanes)
     return [*values, *ys], {**states, **sub}
 
 
@@ -132,32 +250,45 @@ def _while_apply(interp, eqn, invals, states):
     cond, cond_nconsts, body, body_nconsts = _compat.while_parts(eqn)
     cond_consts, body_consts, init = _split(invals, cond_nconsts, body_nconsts)
     keys = dict.fromkeys([*interp.keys(cond), *interp.keys(body)])
+    # carried values with a lane value (`_lanes.py`) carry it along, as an extra carry
+    init_lanes = interp.lanes(init)
 
-    def test(values, sub):
+    def test(values, lanes, sub):
+        interp.with_lanes(values, lanes)
         (pred,), sub = interp.eval(cond, [*cond_consts, *values], sub)
         return pred, sub
 
-    def advance(values, sub):
-        return interp.eval(body, [*body_consts, *values], sub)
+    def advance(values, lanes, sub):
+        interp.with_lanes(values, lanes)
+        values, sub = interp.eval(body, [*body_consts, *values], sub)
+        return values, interp.lanes_like(values, lanes), sub
 
     sub = _only(states, keys)
-    if not interp.has_log(cond) and not interp.tracks_guards:
-        values, sub = lax.while_loop(
-            lambda c: test(c[0], {})[0], lambda c: advance(*c), (init, sub)
+    guarded = interp.tracks_guards or init_lanes or interp.has_lanes(cond)
+    if not interp.has_log(cond) and not guarded:
+        values, _, sub = lax.while_loop(
+            lambda c: test(c[0], {}, {})[0], lambda c: advance(*c), (init, {}, sub)
         )
-    else:
-        # cond_fun runs once more than the body: test, (body, test)*. The predicate rides in
-        # the carry, so each iteration knows the test that admitted it (its guard).
-        pred, sub = test(init, sub)
+        return values, {**states, **sub}
+    # cond_fun runs once more than the body: test, (body, test)*. The predicate (and its lane
+    # value) rides in the carry, so each iteration knows the test that admitted it (its
+    # guard). An iteration runs for a lane alone where that lane value holds and the carried
+    # control values agree with the lane's own (`in_step`); only then do those advance.
+    pred, sub = test(init, init_lanes, sub)
 
-        def loop_body(carry):
-            values, sub, pred = carry
-            with interp.guard(lambda: pred):
-                values, sub = advance(values, sub)
-                pred, sub = test(values, sub)
-            return values, sub, pred
+    def loop_body(carry):
+        values, lanes, sub, pred, lane = carry
+        step = interp.in_step(values, lanes)
+        live = lane if step is None else step if lane is None else jnp.logical_and(lane, step)
+        with interp.guard(lambda: pred, live):
+            values, new_lanes, sub = advance(values, lanes, sub)
+            lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
+            pred, sub = test(values, lanes, sub)
+        return values, lanes, sub, pred, interp.lane_of(pred)
 
-        values, sub, _ = lax.while_loop(lambda c: c[2], loop_body, (init, sub, pred))
+    carry = (init, init_lanes, sub, pred, interp.lane_of(pred))
+    values, lanes, sub, _, _ = lax.while_loop(lambda c: c[3], loop_body, carry)
+    interp.with_lanes(values, lanes)
     return values, {**states, **sub}
 
 
@@ -176,16 +307,22 @@ def _cond_apply(interp, eqn, invals, states):
     index, *ops = invals
     keys = dict.fromkeys(k for b in branches for k in interp.keys(b))
 
+    lane = interp.lane_of(index)
+
     def make(i, branch):
-        def run(ops, sub):
-            with interp.guard(lambda: index == i):
+        def run(ops, lanes, sub):
+            # taken by a lane alone where its lane index says so and its operands are its own
+            live = [interp.in_step(ops, lanes), None if lane is None else lane == i]
+            live = [x for x in live if x is not None]
+            live = functools.reduce(jnp.logical_and, live) if live else None
+            interp.with_lanes(ops, lanes)
+            with interp.guard(lambda: index == i, live):
                 return interp.eval(branch, ops, sub)
 
         return run
 
-    outs, sub = lax.switch(
-        index, [make(i, b) for i, b in enumerate(branches)], ops, _only(states, keys)
-    )
+    runs = [make(i, b) for i, b in enumerate(branches)]
+    outs, sub = lax.switch(index, runs, ops, interp.lanes(ops), _only(states, keys))
     return outs, {**states, **sub}
 
 

@@ -13,10 +13,11 @@ import numpy as np
 from jax import lax
 
 from . import _compat
-from ._interpret import Interpreter
+from ._deferred import force
+from ._interpret import INTERVAL_STEP, Interpreter
 from ._policy import Policy, with_options
-from ._primitive import current_prefix, is_log
-from ._rules import RULES, _custom_apply, _split
+from ._primitive import current_prefix, is_log, rebind
+from ._rules import RULES, _split, inline_copy_apply
 from ._spool import trace_filtered
 
 _T = TypeVar("_T")
@@ -33,7 +34,7 @@ def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
     print("  ".join(parts), flush=True)
 
 
-_STRAIGHT = _compat.INLINE_CALLS | {_compat.CUSTOM_JVP, *_compat.CUSTOM_VJP}
+_STRAIGHT = _compat.INLINE_CALLS | _compat.CUSTOM_CALLS
 
 
 def _numeric(x: Any) -> bool:
@@ -76,12 +77,33 @@ class _TapInterpreter(Interpreter):
         self._lanes: Any = None
 
     @contextlib.contextmanager
-    def guard(self, pred: Callable[[], Any]):
-        self._guards.append(pred())
+    def guard(self, pred: Callable[[], Any], lane: Any = None):
+        # a lane value with lane axes belongs to a vmap inside tap: it masks events instead
+        self._guards.append(pred() if lane is None or jnp.ndim(lane) else lane)
         try:
-            yield
+            with super().guard(pred, lane):
+                yield
         finally:
             self._guards.pop()
+
+    def threadable(self, states):
+        return _dynamic(states)
+
+    def snapshot(self):
+        context, _ = super().snapshot()
+        tap = {"guards": self._guards, "tokens": self._loop_tokens, "lanes": self._lanes}
+        return {**context, **tap}, self._silent
+
+    @contextlib.contextmanager
+    def restored(self, context, static):
+        saved = self._guards, self._loop_tokens, self._lanes, self._silent
+        self._guards, self._loop_tokens = list(context["guards"]), list(context["tokens"])
+        self._lanes, self._silent = context["lanes"], static
+        try:
+            with super().restored(context, static):
+                yield
+        finally:
+            self._guards, self._loop_tokens, self._lanes, self._silent = saved
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
@@ -110,7 +132,7 @@ class _TapInterpreter(Interpreter):
         if eqn.primitive.name in _compat.REMAT:
             # recomputed in the backward pass, callbacks included: like a custom derivative,
             # outputs from the call with its logs stripped, events from an inline copy
-            return rule._replace(apply=_custom_apply)
+            return rule._replace(apply=inline_copy_apply)
 
         def apply(interp, eqn, invals, states):
             if eqn.primitive.name == _compat.SCAN:
@@ -144,8 +166,8 @@ class _TapInterpreter(Interpreter):
                 if not self.policy.selects(eqn.params["tags"]):
                     continue
                 groups = self._groups_of(eqn)
-                if groups and eqn.params["masked"]:
-                    return None
+                if groups and (eqn.params["masked"] or INTERVAL_STEP in eqn.params["steps"]):
+                    return None  # conditional, or kept by its step value
                 for g in groups:
                     total[g] = total.get(g, 0) + 1
             elif self.eqn_has_log(eqn):
@@ -233,41 +255,57 @@ class _TapInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
-            if _compat.logging_enabled.value:
-                _compat.bind_eqn(eqn, invals)  # not ours: an enclosing spool or tap sees it
+            if _compat.logging_enabled.value:  # not ours: an enclosing spool or tap sees it
+                rebind(eqn, force(invals), self.lane_mask())
             return
         if self._silent:  # the interval skips this event
             return
         n_leaves = params["treedef"].num_leaves
         items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
-        steps = dict(zip(params["steps"], invals[n_leaves:]))
-        keys = [k for k in items if k in self._reductions]
+        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        keys = [k for k in items if k in self._reductions and self._group[k] in states]
+        # keys a custom derivative rule logs but its primal does not: as in spool
+        passed = [k for k in items if k not in keys and not self._dropped(k)]
+        if passed and _compat.logging_enabled.value:
+            rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
         if not keys:
             return
-        mask = invals[-1] if params["masked"] else None
+        mask = force(invals[-1:])[0] if params["masked"] else None
+        # Equinox's loops (`_lanes.py`): lanes with axes come from a vmap inside tap and mask
+        # the event; a scalar lane (a vmap outside) is a guard, and gates the counters.
+        lane = self.lane_mask()
+        if lane is not None and jnp.ndim(lane):
+            mask = lane if mask is None else jnp.logical_and(mask, lane)
+            lane = None
         groups = list(dict.fromkeys(self._group[k] for k in keys))
         wanted: dict[str, Any] = {}
         tokens = [
             *self._loop_tokens,
             *(states[g] for g in groups if not isinstance(states[g], int)),
         ]
+        period = self.policy.interval
+        by_step = period > 1 and INTERVAL_STEP in steps  # kept where step % k == 0
         for g in groups:
             count = states[g]
-            if mask is None and isinstance(count, int):  # known now: no work on the device
-                wanted[g] = count % self.policy.interval == 0
+            if mask is None and lane is None and isinstance(count, int):  # known now
+                wanted[g] = (
+                    _multiple(steps[INTERVAL_STEP], period) if by_step else (count % period == 0)
+                )
                 states[g] = count + 1
                 continue
-            if mask is None and self.policy.interval == 1:  # always kept
+            if mask is None and lane is None and period == 1:  # always kept
                 wanted[g] = True
                 states[g] = count + 1
                 continue
             happened = jnp.bool_(True) if mask is None else jnp.any(mask)
-            if self.policy.interval == 1:
+            if lane is not None:
+                happened = jnp.logical_and(happened, lane)
+            count = jnp.asarray(count, jnp.int32)
+            if period == 1:
                 wanted[g] = happened
             else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
-                count = jnp.asarray(count, jnp.int32)
-                period = jnp.int32(self.policy.interval)
-                wanted[g] = jnp.logical_and(happened, lax.rem(count, period) == 0)
+                number = steps[INTERVAL_STEP] if by_step else count
+                wanted[g] = jnp.logical_and(happened, _multiple(number, period))
             states[g] = count + happened.astype(jnp.int32)
         if not any(w is not False for w in wanted.values()):
             return  # skipped by the interval, known at trace time
@@ -305,13 +343,23 @@ class _TapInterpreter(Interpreter):
         meta = [*flags.values(), *tokens, self._lanes]
         meta = jnp.stack([jnp.asarray(m, jnp.int32) for m in meta])
 
-        def emit():
-            jax.debug.callback(host, self.context, values, steps, meta, mask, ordered=True)
+        def emit(memo):  # values only logs use are computed here (`_deferred.py`)
+            forced = jtu.tree_map(lambda x: force([x], memo)[0], values)
+            jax.debug.callback(host, self.context, forced, steps, meta, mask, ordered=True)
 
         if all(isinstance(w, bool) for w in wanted.values()):
-            emit()  # kept, known at trace time
+            emit(None)  # kept, known at trace time
         else:
-            lax.cond(functools.reduce(jnp.logical_or, flags.values()), emit, lambda: None)
+            kept = functools.reduce(jnp.logical_or, flags.values())
+            lax.cond(kept, lambda: emit({}), lambda: None)
+
+
+def _multiple(number: Any, period: int) -> Any:
+    """Whether `number` (an integer scalar or array) is a multiple of `period`."""
+    if isinstance(number, int | np.integer):
+        return number % period == 0
+    number = jnp.asarray(number)
+    return lax.rem(number, jnp.asarray(period, number.dtype)) == 0
 
 
 def tap(

@@ -1,0 +1,152 @@
+"""`interval` in the per-step training loop (one jitted step per Python iteration), and
+statistics computed only for kept events.
+
+With `interval=k`, an event that carries `step` (`log(..., step=i)`) is kept where the step is
+a multiple of k, whichever call it happens in; events without a step are numbered per key
+within the call. Values logged only for the logs are computed inside the condition that keeps
+the event, so skipped events cost nothing.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_logs as el
+from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+STEPS, INTERVAL = 300, 100
+
+
+def train_step(w, i):
+    loss = jnp.sum(w**2)
+    el.log({"loss": loss, "norm": jnp.linalg.norm(w)}, step=i)
+    return w * 0.99
+
+
+def reference():
+    """The per-step values, computed by hand."""
+    w, out = np.ones(3, np.float32), []
+    for i in range(STEPS):
+        out.append((i, float(np.sum(w**2)), float(np.linalg.norm(w))))
+        w = w * np.float32(0.99)
+    return out
+
+
+def kept_reference():
+    return [r for r in reference() if r[0] % INTERVAL == 0]
+
+
+def test_spool_per_step_loop():
+    step = jax.jit(el.spool(train_step, interval=INTERVAL))
+    w, kept = jnp.ones(3), []
+    for i in range(STEPS):
+        w, logs = step(w, i)
+        if int(logs.count["loss"]):
+            kept.append((int(logs.step["loss"][0]), float(logs["loss"][0]), float(logs["norm"][0])))
+    np.testing.assert_allclose(kept, kept_reference(), rtol=1e-5)
+
+
+def test_tap_per_step_loop():
+    seen = []
+    step = jax.jit(
+        el.tap(
+            train_step, interval=INTERVAL, callback=lambda logs, steps: seen.append((steps, logs))
+        )
+    )
+    w = jnp.ones(3)
+    for i in range(STEPS):
+        w = step(w, i)
+    jax.effects_barrier()
+    got = [(int(s["step"]), float(v["loss"]), float(v["norm"])) for s, v in seen]
+    np.testing.assert_allclose(got, kept_reference(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["spool", "tap"])
+def test_logger_per_step_loop(tmp_path, kind):
+    path = tmp_path / "logs.jsonl"
+    with JsonlLogger(str(path)) as logger:
+        state = logger.init()
+        wrap = logger.spool if kind == "spool" else logger.tap
+        step = eqx.filter_jit(lambda w, i: wrap(train_step, state, interval=INTERVAL)(w, i))
+        w = jnp.ones(3)
+        for i in range(STEPS):
+            w = step(w, i)
+    records = [r for r in read_jsonl(path) if r["key"] == "loss"]
+    got = [(r["step"], r["value"]) for r in records]
+    np.testing.assert_allclose(got, [r[:2] for r in kept_reference()], rtol=1e-5)
+
+
+def test_scan_keeps_multiples_of_the_step():
+    # a chunk of steps 50..349 in one scan keeps steps 100, 200, 300 (not 50, 150, 250)
+    def chunk(w, start):
+        return lax.scan(lambda w, i: (train_step(w, start + i), None), w, jnp.arange(STEPS))[0]
+
+    _, logs = jax.jit(el.spool(chunk, interval=INTERVAL))(jnp.ones(3), 50)
+    np.testing.assert_array_equal(logs.step["loss"], [100, 200, 300])
+    assert int(logs.count["loss"]) == 3
+    seen = []
+    el.tap(chunk, interval=INTERVAL, callback=lambda logs, steps: seen.append(int(steps["step"])))(
+        jnp.ones(3), 50
+    )
+    jax.effects_barrier()
+    assert seen == [100, 200, 300]
+
+
+def test_without_a_step_events_are_numbered_within_the_call():
+    def f(x):
+        el.log("x", x)
+        return x + 1
+
+    step = jax.jit(el.spool(f, interval=INTERVAL))
+    x = jnp.float32(0)
+    for _ in range(3):  # every call keeps its first (only) event
+        x, logs = step(x)
+        assert int(logs.count["x"]) == 1
+
+
+def test_repeated_steps_that_overflow_the_buffer_raise():
+    def epoch(w, e):  # every batch of an epoch logs the same step
+        return lax.scan(lambda w, _: (train_step(w, e), None), w, None, length=10)[0]
+
+    with pytest.raises(Exception, match="repeats"):
+        jax.block_until_ready(el.spool(epoch, interval=5)(jnp.ones(3), 0))
+    # a reduction of fixed size is fine
+    _, logs = el.spool(epoch, interval=5, reduce="count")(jnp.ones(3), 0)
+    assert int(logs["loss"]) == 10
+
+
+def _primitives(closed):
+    """Primitive names of a jaxpr by nesting: those at top level, and those inside conds."""
+    top, in_cond = [], []
+
+    def walk(jaxpr, inside):
+        for eqn in jaxpr.eqns:
+            (in_cond if inside else top).append(eqn.primitive.name)
+            for value in eqn.params.values():
+                subs = value if isinstance(value, tuple) else (value,)
+                for s in subs:
+                    inner = getattr(s, "jaxpr", s)
+                    if hasattr(inner, "eqns"):
+                        walk(inner, inside or eqn.primitive.name == "cond")
+
+    walk(closed.jaxpr, False)
+    return top, in_cond
+
+
+@pytest.mark.parametrize("kind", ["spool", "tap"])
+def test_skipped_events_do_not_compute_the_statistic(kind):
+    def step(w, i):
+        el.log("sv", jnp.linalg.svd(w, compute_uv=False), step=i)
+        return w * 0.5
+
+    wrap = el.spool if kind == "spool" else el.tap
+    closed = jax.make_jaxpr(wrap(step, interval=INTERVAL))(jnp.eye(4), 3)
+    top, in_cond = _primitives(closed)
+    assert "svd" in in_cond and "svd" not in top
+    # always kept: computed inline, no cond
+    closed = jax.make_jaxpr(wrap(step))(jnp.eye(4), 3)
+    top, in_cond = _primitives(closed)
+    assert "svd" in top and "cond" not in top
