@@ -12,7 +12,7 @@ from jaxtyping import PRNGKeyArray, PyTree
 from . import _masking  # noqa: F401  (registers the batching rules for masked events)
 from ._interpret import Interpreter
 from ._logdict import LogDict
-from ._policy import with_options
+from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
 from ._reductions import AbstractReduction
 from ._rules import RULES
@@ -89,12 +89,29 @@ def spool(
     if not callable(fun):
         raise TypeError(f"eqx_logs.spool expects a callable, got {type(fun).__name__}.")
 
-    @functools.wraps(fun)
-    def spooled(*args, **kwargs):
-        # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
-        return _spool_call(fun, policy, keep, current_prefix(), args, kwargs)
+    return eqx.module_update_wrapper(_Spooled(fun, policy, keep))
 
-    return spooled
+
+class _Spooled(eqx.Module):
+    """`spool(fun)`: a pytree whose leaves are those of `fun` (an Equinox model's arrays) and
+    of the policy, like `eqx.filter_jit(fun)`, so that it can be jitted, differentiated and
+    vmapped over as the model itself."""
+
+    fun: Callable
+    policy: Policy
+    keep: bool = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fun
+
+    def __call__(self, *args, **kwargs):
+        # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
+        return _spool_call(self.fun, self.policy, self.keep, current_prefix(), args, kwargs)
+
+    def __get__(self, instance, owner):  # a decorated method binds like a function
+        del owner
+        return self if instance is None else jtu.Partial(self, instance)
 
 
 def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:

@@ -418,12 +418,31 @@ def tap_with(fun: Callable[..., _T], policy: Policy, sink: Callable, context: An
     """`fun`, calling `sink(context, logs, steps)` on the host for each selected event;
     `context` (a pytree of arrays, such as a logger's state) is passed through."""
 
-    @functools.wraps(fun)
-    def tapped(*args, **kwargs):
-        # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
-        return _tap_call(fun, policy, sink, current_prefix(), context, args, kwargs)
+    return eqx.module_update_wrapper(_Tapped(fun, policy, sink, context))
 
-    return tapped
+
+class _Tapped(eqx.Module):
+    """`tap(fun)`: a pytree of `fun`, the policy and the context, like `eqx.filter_jit(fun)`
+    (see `_Spooled`)."""
+
+    fun: Callable
+    policy: Policy
+    sink: Callable = eqx.field(static=True)
+    context: Any
+
+    @property
+    def __wrapped__(self):
+        return self.fun
+
+    def __call__(self, *args, **kwargs):
+        # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
+        return _tap_call(
+            self.fun, self.policy, self.sink, current_prefix(), self.context, args, kwargs
+        )
+
+    def __get__(self, instance, owner):  # a decorated method binds like a function
+        del owner
+        return self if instance is None else jtu.Partial(self, instance)
 
 
 class _Callback(eqx.Module):

@@ -223,15 +223,9 @@ class AbstractLogger(eqx.Module):
             prefix=prefix,
             key=key,
         )
-        inner = _spool(fun, policy=policy, keep=keep)
-
-        def spooled(*args, **kwargs):
-            self._check()
-            out, logs = inner(*args, **kwargs)
-            jax.debug.callback(self._spool_host, state, logs, ordered=True)
-            return out
-
-        return spooled
+        return eqx.module_update_wrapper(
+            _LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state)
+        )
 
     def tap(
         self,
@@ -249,13 +243,9 @@ class AbstractLogger(eqx.Module):
         happens (`interval=k` writes every k-th event of each key, gated on the device)."""
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
-        inner = tap_with(fun, policy, self._tap_host, state)
-
-        def tapped(*args, **kwargs):
-            self._check()
-            return inner(*args, **kwargs)
-
-        return tapped
+        return eqx.module_update_wrapper(
+            _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state))
+        )
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by `eqx_logs.spool`) to `state`'s run (default run 0)."""
@@ -315,3 +305,36 @@ class AbstractLogger(eqx.Module):
         while handles:
             _, handle = handles.popitem()
             self._close(handle)
+
+
+# What `logger.spool` and `logger.tap` return: pytrees of the wrapped function (an Equinox
+# model's arrays are leaves) and the state, like `eqx.filter_jit(fun)`.
+
+
+class _LoggerSpooled(eqx.Module):
+    logger: AbstractLogger
+    spooled: Callable
+    state: LoggerState
+
+    @property
+    def __wrapped__(self):
+        return self.spooled.__wrapped__
+
+    def __call__(self, *args, **kwargs):
+        self.logger._check()
+        out, logs = self.spooled(*args, **kwargs)
+        jax.debug.callback(self.logger._spool_host, self.state, logs, ordered=True)
+        return out
+
+
+class _LoggerTapped(eqx.Module):
+    logger: AbstractLogger
+    tapped: Callable
+
+    @property
+    def __wrapped__(self):
+        return self.tapped.__wrapped__
+
+    def __call__(self, *args, **kwargs):
+        self.logger._check()
+        return self.tapped(*args, **kwargs)
