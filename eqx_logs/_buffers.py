@@ -74,7 +74,9 @@ class Stack(AbstractReduction):
             position = index % size
         else:
             position = index
-            if self.capacity is not None:  # otherwise the bound is never exceeded
+            # The static bound can only be exceeded where events are conditional (`interval`
+            # by step value, when steps repeat); those write under a mask anyway.
+            if self.capacity is not None or valid is not True:
                 valid = jnp.logical_and(valid, index < size)
 
         def write(buf: Array, v: Any) -> Array:

@@ -346,6 +346,10 @@ def close(jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
 # ----------------------------------------------------------------------------------------
 
 
+# jax >= 0.12: a flat custom_vjp backward rule returns `(cotangents, logs)` (`vjp.with_logs`)
+_BWD_RETURNS_LOGS = hasattr(_ad, "CustomBwdWithAccums")
+
+
 def _wrap(fun: Callable, like: Any) -> Any:
     return _lu.wrap_init(fun, debug_info=like.debug_info)
 
@@ -439,8 +443,10 @@ def bind_custom_vjp(
         num_res = out_trees()[1].num_leaves
         res, cts = xs[:num_res], xs[num_res : num_res + n_out]
         with bwd_context():
-            cts_in = bwd.call_wrapped(*res, *cts)
-        return [*[None] * num_consts, *cts_in, *[None] * len(extra)]
+            out = bwd.call_wrapped(*res, *cts)
+        cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+        cts_in = [*[None] * num_consts, *cts_in, *[None] * len(extra)]
+        return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
 
     subfuns = (_wrap(fun_, thunk), _wrap(fwd_, thunk), _wrap(bwd_, bwd))
     out = eqn.primitive.bind(

@@ -17,7 +17,6 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -244,11 +243,6 @@ class Interpreter:
             found = any(is_log(e) or self.eqn_has_log(e) for e in jaxpr.eqns)
             hit = self._has_log[id(closed)] = (closed, found)
         return hit[1]
-
-    def has_lanes(self, closed: Any) -> bool:
-        """Whether `closed` computes values that have lane values (`_lanes.py`)."""
-        jaxpr, _ = _compat.unpack(closed)
-        return any(_lanes.is_lane_primitive(e) for e in jaxpr.eqns)
 
     def eqn_has_log(self, eqn: _compat.JaxprEqn) -> bool:
         if log_effect in eqn.effects:
@@ -520,7 +514,6 @@ class Interpreter:
                     "value": reduction,
                     **{f"step:{n}": step for n in info.steps},
                 }
-        self._step_bounds: dict[str, int] = {}
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states)
         values, count, steps, names, rows = {}, {}, {}, {}, {}
@@ -528,7 +521,7 @@ class Interpreter:
             name = self.policy.prefix + key
             nbatch = self.info[key].nbatch
             reduction = self._reductions[key]
-            count[name] = self._check_room(key, reduction, state["count"])
+            count[name] = state["count"]
             names[name] = type(reduction).__name__
             if reduction.event_axes:
                 rows[name] = _vmap(reduction.rows, nbatch)(state["value"])
@@ -541,29 +534,10 @@ class Interpreter:
                     steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
 
-    def _check_room(self, key: str, reduction: Any, count: Any) -> Any:
-        """A buffer sized for the events an interval keeps assumes one event per step value:
-        keeping more (steps that repeat) is a runtime error, not a silent loss."""
-        bound = self._step_bounds.get(key)
-        if bound is None or not reduction.event_axes or getattr(reduction, "capacity", None):
-            return count
-        return eqx.error_if(
-            count,
-            count > bound,
-            f"eqx_logs.spool: interval={self.policy.interval} kept more events of key "
-            f"{key!r} than its buffer holds ({bound}): it keeps the events whose "
-            f"`{INTERVAL_STEP}` is a multiple of the interval, and the buffer assumes one event "
-            f"per step value, but `{INTERVAL_STEP}` repeats (logged at "
-            f"{_site_list(self.info[key].sites)}). Log a step that grows with every event, or "
-            "pass a capacity: `reduce=eqx_logs.Stack(capacity=N)`.",
-        )
-
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]
         if bound is not None:
             bound = -(-bound // self.policy.interval)  # a ceiling that stays symbolic
-            if self.policy.interval > 1 and INTERVAL_STEP in info.steps:
-                self._step_bounds[key] = bound
         lane = {"value": info.lane_struct()}
         for name, s in info.steps.items():
             lane[f"step:{name}"] = jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)

@@ -90,6 +90,11 @@ def is_lane_primitive(eqn: _compat.JaxprEqn) -> bool:
     return eqn.primitive is lane_reduce_p or name in _EQUINOX
 
 
+def has_lanes(closed: Any) -> bool:
+    """Whether `closed` computes values that have lane values (at its top level)."""
+    return any(is_lane_primitive(e) for e in _compat.unpack(closed)[0].eqns)
+
+
 def lane_value(eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> Any:
     """The lane value of a lane-reducing equation's output: leading axes index the lanes
     known at this level (none for Equinox's own primitives: a later vmap adds them)."""

@@ -1,6 +1,9 @@
+import json
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.export
 import jax.tree_util as jtu
 
 
@@ -90,3 +93,22 @@ class LogDict(dict):
         steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
         named = {k: r for k, r in zip(keys, reductions) if r is not None}
         return cls(values, count=count, steps=steps, reductions=named, rows=rows)
+
+
+def _serialize_aux(aux) -> bytes:
+    return json.dumps(aux).encode()
+
+
+def _deserialize_aux(data: bytes):
+    keys, step_names, reductions, row_keys = json.loads(data.decode())
+    step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
+    return tuple(keys), step_names, tuple(reductions), tuple(row_keys)
+
+
+# `jax.export` of a spooled function: its outputs include a LogDict.
+jax.export.register_pytree_node_serialization(
+    LogDict,
+    serialized_name="eqx_logs.LogDict",
+    serialize_auxdata=_serialize_aux,
+    deserialize_auxdata=_deserialize_aux,
+)

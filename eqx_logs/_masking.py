@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compat
+from . import _compat, _lanes
 from ._deferred import force
 from ._interpret import Interpreter
 from ._policy import Policy
@@ -86,7 +86,10 @@ def _while_batching(original):
             body_nconsts=body_nconsts,
             body_jaxpr=body_jaxpr,
         )
-        if not _has_log(cond_jaxpr, body_jaxpr):
+        if not _has_log(cond_jaxpr, body_jaxpr) or _lanes.has_lanes(cond_jaxpr):
+            # An Equinox loop makes its predicate unbatched and guards its own carry: it is
+            # batched as it is, and the spool's lane values mask its events (`_lanes.py`),
+            # following the lanes its initial carry already has.
             return original(axis_data, args, dims, **params)
         size, name = _compat.axis_size_and_name(axis_data)
         cdims = tuple(dims[:cond_nconsts])

@@ -81,15 +81,33 @@ def _log_jvp(primals, tangents, **params):
     return [], []
 
 
-def _log_batch(args, dims, *, nbatch, **params):
+def _log_batch(args, dims, *, treedef, nbatch, **params):
+    """A key whose leaves (and the call's steps and mask) are all unbatched stays unbatched;
+    the others get a leading batch axis, unbatched leaves broadcast. So a key's layout does
+    not depend on the keys logged in the same call."""
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
-    moved = [
-        jnp.broadcast_to(a, (size, *jnp.shape(a)))
-        if d is _compat.not_mapped
-        else jnp.moveaxis(a, d, 0)
-        for a, d in zip(args, dims)
-    ]
-    log_p.bind(*moved, nbatch=nbatch + 1, **params)
+    n_leaves = treedef.num_leaves
+    mapped = [d is not _compat.not_mapped for d in dims]
+    shared = any(mapped[n_leaves:])  # steps and mask
+    positions = jtu.tree_unflatten(treedef, list(range(n_leaves)))
+    batched = {
+        k: shared or any(mapped[i] for i in jtu.tree_leaves(v)) for k, v in positions.items()
+    }
+    rest = list(range(n_leaves, len(args)))
+    for want in (False, True):
+        keys = {k: v for k, v in positions.items() if batched[k] == want}
+        if not keys:
+            continue
+        leaves, sub = jtu.tree_flatten(keys)
+        ops = [args[i] for i in [*leaves, *rest]]
+        if not want:
+            log_p.bind(*ops, treedef=sub, nbatch=nbatch, **params)
+            continue
+        moved = [
+            jnp.moveaxis(a, dims[i], 0) if mapped[i] else jnp.broadcast_to(a, (size, *a.shape))
+            for a, i in zip(ops, [*leaves, *rest])
+        ]
+        log_p.bind(*moved, treedef=sub, nbatch=nbatch + 1, **params)
     return [], []
 
 
@@ -300,12 +318,16 @@ def _check_reduce(reduce: Any, site: str) -> None:
 
 
 def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
-    if isinstance(tags, str):
-        tags = (tags,)
-    tags = tuple(tags)
-    if not all(isinstance(t, str) for t in tags):
-        raise TypeError(f"eqx_logs.log: tags at {site} must be strings, got {tags!r}.")
-    return tags
+    try:
+        out = (tags,) if isinstance(tags, str) else tuple(tags)
+    except TypeError:
+        out = None
+    if out is None or not all(isinstance(t, str) for t in out):
+        raise TypeError(
+            f"eqx_logs.log: tags at {site} must be a string or a tuple of strings, such as "
+            f"tags='train' or tags=('train', 'debug'); got {tags!r}."
+        )
+    return out
 
 
 def log(

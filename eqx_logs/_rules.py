@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 
-from . import _compat
+from . import _compat, _lanes
 from ._interpret import Counts, Interpreter, max_counts, unbounded
 from ._primitive import current_prefix, is_log, log_effect, logging_as
 
@@ -230,7 +230,10 @@ def _scan_apply(interp, eqn, invals, states):
 
     init_sub = _only(states, interp.keys(body))
     carry = (init, interp.lanes(init), init_sub)
-    (values, lanes, sub), ys = lax.scan(step, carry, xs, **_compat.scan_options(eqn))
+    options = _compat.scan_options(eqn)
+    if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
+        options["length"] = None
+    (values, lanes, sub), ys = lax.scan(step, carry, xs, **options)
     interp.with_lanes(values, lanes)
     return [*values, *ys], {**states, **sub}
 
@@ -264,7 +267,7 @@ def _while_apply(interp, eqn, invals, states):
         return values, interp.lanes_like(values, lanes), sub
 
     sub = _only(states, keys)
-    guarded = interp.tracks_guards or init_lanes or interp.has_lanes(cond)
+    guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
     if not interp.has_log(cond) and not guarded:
         values, _, sub = lax.while_loop(
             lambda c: test(c[0], {}, {})[0], lambda c: advance(*c), (init, {}, sub)

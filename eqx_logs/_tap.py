@@ -192,7 +192,10 @@ class _TapInterpreter(Interpreter):
         body, num_consts, num_carry = _compat.scan_parts(eqn)
         options = _compat.scan_options(eqn)
         groups = self.keys(body)
-        if period == 1 or options["reverse"] or not groups or not options["length"]:
+        length = options["length"]
+        if period == 1 or options["reverse"] or not groups or not isinstance(length, int):
+            return None  # (a symbolic length, under jax.export, is not split)
+        if not length:
             return None
         if any(not isinstance(states[g], int) for g in groups):
             return None
@@ -200,7 +203,7 @@ class _TapInterpreter(Interpreter):
             return None
         if self._per_iteration(body) != dict.fromkeys(groups, 1):
             return None
-        length, unroll = options["length"], options["unroll"]
+        unroll = options["unroll"]
         consts, carry, xs = _split(invals, num_consts, num_carry)
         head = min(-states[groups[0]] % period, length)
         blocks = (length - head) // period

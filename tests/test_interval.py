@@ -107,15 +107,23 @@ def test_without_a_step_events_are_numbered_within_the_call():
         assert int(logs.count["x"]) == 1
 
 
-def test_repeated_steps_that_overflow_the_buffer_raise():
+def test_repeated_steps_beyond_the_buffer_are_counted(tmp_path):
     def epoch(w, e):  # every batch of an epoch logs the same step
         return lax.scan(lambda w, _: (train_step(w, e), None), w, None, length=10)[0]
 
-    with pytest.raises(Exception, match="repeats"):
-        jax.block_until_ready(el.spool(epoch, interval=5)(jnp.ones(3), 0))
-    # a reduction of fixed size is fine
+    # the buffer holds ceil(10 / 5) = 2 events; all 10 are kept, the first 2 stored
+    _, logs = el.spool(epoch, interval=5)(jnp.ones(3), 0)
+    assert int(logs.count["loss"]) == 10 and int(logs.rows["loss"]) == 2
+    np.testing.assert_allclose(logs["loss"], [3.0, 3.0 * 0.99**2], rtol=1e-5)
+    # a logger says so
+    with JsonlLogger(str(tmp_path / "logs.jsonl")) as logger:
+        with pytest.warns(UserWarning, match="'loss'.*10 events.*2"):
+            logger.write(logs)
+    # a reduction of fixed size, or a capacity, holds them all
     _, logs = el.spool(epoch, interval=5, reduce="count")(jnp.ones(3), 0)
     assert int(logs["loss"]) == 10
+    _, logs = el.spool(epoch, interval=5, reduce=el.Stack(capacity=10))(jnp.ones(3), 0)
+    assert int(logs.rows["loss"]) == 10
 
 
 def _primitives(closed):

@@ -249,18 +249,34 @@ def test_tags_and_exclude(tags, exclude, kept):
             assert int(logs.count[k]) == 3
 
 
-def test_interval_counts_events_per_key():
+def test_interval_keeps_steps_that_are_multiples():
     _, logs = el.spool(train, interval=3, reduce="stack")(XS)
-    close(logs["loss"], [0, 3, 6, 9])  # events 0, 3, 6, 9 of "loss"
+    close(logs["loss"], [0, 3, 6, 9])  # steps 0, 3, 6, 9
     np.testing.assert_array_equal(logs.step["loss"], [0, 3, 6, 9])
-    # "odd" has its own count: its events 0 and 3 are steps 1 and 7; the bound is ceil(10 / 3).
-    close(logs["odd"], [1, 7, np.nan, np.nan])
-    np.testing.assert_array_equal(logs.step["odd"][:2], [1, 7])
+    # "odd" (odd steps only) keeps its steps that are multiples of 3; the bound is ceil(10 / 3)
+    close(logs["odd"], [3, 9, np.nan, np.nan])
+    np.testing.assert_array_equal(logs.step["odd"][:2], [3, 9])
     assert int(logs.count["loss"]) == 4 and int(logs.count["odd"]) == 2
     _, logs = el.spool(train, interval=3, reduce="mean")(XS)
     close(logs["loss"], 4.5)
-    close(logs["odd"], 4.0)
-    np.testing.assert_array_equal(logs.step["odd"], 7)
+    close(logs["odd"], 6.0)
+    np.testing.assert_array_equal(logs.step["odd"], 9)
+
+
+def test_interval_without_a_step_counts_events_per_key():
+    def f(xs):
+        def step(c, x):
+            el.log("all", x)
+            lax.cond(x.astype(jnp.int32) % 2 == 1, lambda: el.log("odd", x), lambda: None)
+            return c, None
+
+        return lax.scan(step, 0.0, xs)[0]
+
+    _, logs = el.spool(f, interval=3)(XS)
+    close(logs["all"], [0, 3, 6, 9])
+    # "odd" has its own count: its events 0 and 3 are the values 1 and 7
+    close(logs["odd"], [1, 7, np.nan, np.nan])
+    assert int(logs.count["odd"]) == 2
 
 
 def test_interval_in_a_while_loop_and_across_sites():

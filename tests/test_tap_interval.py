@@ -1,5 +1,7 @@
 """tap with an interval: counters known at trace time, and scans split into iterations with and
-without events. Checked against events and outputs computed with numpy."""
+without events. Checked against events and outputs computed with numpy. The events log their
+position as `index`, not `step`: an event with a `step` is kept by its step value instead
+(tests/test_interval.py)."""
 
 import itertools
 
@@ -31,7 +33,7 @@ def _program(xs, pre, together=True, reverse=False, nested=False):
             el.log("b", jnp.float32(-1 - j))
 
     def inner(x):
-        el.log({"a": x, "b": 2 * x} if together else {"a": x}, step=jnp.int32(x))
+        el.log({"a": x, "b": 2 * x} if together else {"a": x}, index=jnp.int32(x))
         if not together:
             el.log("b", 2 * x)
         return x
@@ -69,7 +71,7 @@ def test_events_and_outputs_match_numpy(length, k, pre):
     np.testing.assert_allclose(np.asarray(ys), 3 * xs)
     np.testing.assert_allclose(np.asarray(cs), (np.cumsum(xs) - xs).astype(np.float32))
     # the step logged with each kept event is that event's own
-    steps = [int(s["step"]) for logs, s in rec.events if "step" in s]
+    steps = [int(s["index"]) for logs, s in rec.events if "index" in s]
     stream = [None] * pre + [int(x) for x in xs] + [None]
     assert steps == [s for s in stream[::k] if s is not None]
 
@@ -164,10 +166,10 @@ def test_fori_loop_without_xs(length, k, pre):
 
     def f(c):
         for j in range(pre):
-            el.log("c", jnp.float32(-1 - j), step=jnp.int32(-1))
+            el.log("c", jnp.float32(-1 - j), index=jnp.int32(-1))
 
         def body(i, c):
-            el.log("c", c, step=i)
+            el.log("c", c, index=i)
             return c + 1.0
 
         return lax.fori_loop(0, length, body, c)
@@ -177,7 +179,7 @@ def test_fori_loop_without_xs(length, k, pre):
     assert float(out) == 1.0 + length
     stream = [(-1.0 - j, -1) for j in range(pre)] + [(1.0 + i, i) for i in range(length)]
     assert rec.values("c") == [v for v, _ in stream[::k]]
-    assert [int(s["step"]) for _, s in rec.events] == [s for _, s in stream[::k]]
+    assert [int(s["index"]) for _, s in rec.events] == [s for _, s in stream[::k]]
 
 
 def test_checkpoint_under_grad_fires_once_and_passes_other_events_on_once():

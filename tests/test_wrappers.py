@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_close
 
 import eqx_logs as el
 from eqx_logs.loggers import JsonlLogger, read_jsonl
-
-from helpers import assert_close
 
 
 class Model(eqx.Module):

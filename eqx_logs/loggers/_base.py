@@ -4,6 +4,7 @@ import abc
 import hashlib
 import math
 import re
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -33,6 +34,15 @@ def records(logs: LogDict) -> Iterator[Record]:
         leaves = jax.tree.leaves(value)
         if key in logs.rows and leaves:  # an event axis: a record per real event or window
             length = leaves[0].shape[0]
+            if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
+                warnings.warn(
+                    f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
+                    f"holds {int(np.max(logs.rows[key]))}: the rest are not written. With "
+                    "`interval`, this happens when the logged `step` repeats; pass "
+                    "`reduce=eqx_logs.Stack(capacity=N)` or log a step that grows with every "
+                    "event.",
+                    stacklevel=2,
+                )
             for i in range(int(np.max(logs.rows[key]))):
                 row = jax.tree.map(lambda x: x[i], value)
                 # steps line up with the rows, except for Collect (whose rows are elements)
