@@ -38,6 +38,7 @@ from jax._src.interpreters import (
     partial_eval as _pe,
 )
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
+from jax.tree_util import tree_leaves as _tree_leaves
 
 Jaxpr = _core.Jaxpr
 JaxprEqn = _core.JaxprEqn
@@ -89,6 +90,20 @@ scope_prefix = _jax_config.string_or_object_state(
 
 def def_jvp(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_jvps[prim] = rule
+
+
+def explicit_spec(aval: Any) -> tuple[Any, ...] | None:
+    """The partition spec of a value sharded over Explicit mesh axes (sharding in types, as
+    `jax.make_mesh` gives by default), or None."""
+    spec = getattr(getattr(aval, "sharding", None), "spec", None)
+    if spec is None or all(p is None for p in spec):
+        return None
+    return tuple(spec)
+
+
+def def_transpose(prim: Primitive, rule: Callable) -> None:
+    """`rule(cts, *args, **params) -> cotangents of args` (None for zero)."""
+    _ad.primitive_transposes[prim] = rule
 
 
 def def_batching(prim: Primitive, rule: Callable) -> None:
@@ -256,7 +271,7 @@ def function_name(eqn: JaxprEqn) -> str:
     return where if where else f"the call at {eqn_location(eqn)}"
 
 
-def _strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> Any:
+def strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> Any:
     jaxpr, _ = unpack(closed)
     eqns = [strip_eqn(e, is_log, effect) for e in jaxpr.eqns if not is_log(e)]
     new = jaxpr.replace(eqns=eqns, effects=jaxpr.effects - {effect})
@@ -273,9 +288,9 @@ def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect)
     params = {}
     for name, value in eqn.params.items():
         if is_jaxpr(value):
-            value = _strip_jaxpr(value, is_log, effect)
+            value = strip_jaxpr(value, is_log, effect)
         elif isinstance(value, tuple) and any(is_jaxpr(v) for v in value):
-            value = tuple(_strip_jaxpr(v, is_log, effect) if is_jaxpr(v) else v for v in value)
+            value = tuple(strip_jaxpr(v, is_log, effect) if is_jaxpr(v) else v for v in value)
         params[name] = value
     return eqn.replace(params=params, effects=eqn.effects - {effect})
 
@@ -286,6 +301,9 @@ def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect)
 
 _HIGHER_ORDER = frozenset({"cond", "scan", "while", "pjit", "jit", "remat2", "checkpoint"})
 INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call", "eval_jaxpr"})
+# Outside vmap, a custom_vmap call is its function (under a vmap inside the spool, JAX has
+# already applied the rule).
+CUSTOM_VMAP = "custom_vmap_call"
 SCAN = "scan"
 WHILE = "while"
 COND = "cond"
@@ -297,7 +315,7 @@ CUSTOM_CALLS = frozenset({CUSTOM_JVP, CUSTOM_VJP})
 
 def call_jaxpr(eqn: JaxprEqn) -> Any:
     """The jaxpr of a call-like equation (jit, closed_call, remat, custom_jvp/vjp)."""
-    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    for name in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call"):
         if name in eqn.params:
             return eqn.params[name]
     raise NotImplementedError(f"eqx_logs: cannot find the jaxpr of {eqn.primitive.name}")
@@ -326,6 +344,39 @@ def while_parts(eqn: JaxprEqn) -> tuple[Any, int, Any, int]:
 
 def cond_branches(eqn: JaxprEqn) -> tuple[Any, ...]:
     return tuple(eqn.params["branches"])
+
+
+LINEAR_SOLVE = "custom_linear_solve"
+
+
+def linear_solve_parts(eqn: JaxprEqn) -> tuple[dict[str, Any], dict[str, list[Any]], int]:
+    """`(jaxprs, const_indices, num_consts)` of a custom_linear_solve equation: the jaxprs of
+    `matvec`, `vecmat`, `solve` and `transpose_solve` (None where absent) by name, and the
+    positions of each one's constants among the operands (then come the right-hand sides)."""
+    jaxprs, lengths = eqn.params["jaxprs"], eqn.params["const_lengths"]
+    names = ("matvec", "vecmat", "solve", "transpose_solve")
+    out, positions, start = {}, {}, 0
+    for name in names:
+        out[name] = getattr(jaxprs, name)
+        n = getattr(lengths, name)
+        positions[name] = list(range(start, start + n))
+        start += n
+    return out, positions, start
+
+
+# jax >= 0.12 binds some higher-order functions as "hi" primitives (`lax.custom_root` among
+# them): an object of their own in the parameters, with the jaxprs it needs.
+HI_CALL = "call_hi_primitive"
+
+
+def hi_forward(eqn: JaxprEqn) -> tuple[Any, int] | None:
+    """For a hi primitive whose forward computation is a jaxpr of its first operands (the
+    `solve` of `lax.custom_root`): that jaxpr and how many operands it takes; else None."""
+    prim = eqn.params.get("_prim")
+    forward = getattr(prim, "params", {}).get("solve_jaxpr")
+    if forward is None:
+        return None
+    return forward, len(_tree_leaves(prim.in_avals[:2]))
 
 
 def remat_options(eqn: JaxprEqn) -> dict[str, Any]:

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax.sharding import PartitionSpec
 
 from . import _compat, _lanes
 from ._buffers import NeedsBound
@@ -51,6 +52,26 @@ class _KeyInfo:
     sites: list[str]
     nbatch: int
     reduce: list[tuple[str, Any]]  # (call site, the reduction it names), every site seen
+    specs: list[tuple[Any, ...] | None]  # each leaf's partition spec over Explicit axes
+
+    def shard_like_values(self, state: Any) -> Any:
+        """`state` (of the value channel) with each leaf that holds values of a sharded leaf
+        (its last dims are that leaf's, after the batch axes) sharded the same way: under
+        Explicit mesh axes a buffer must have the sharding of what is written into it."""
+        sharded = [(s.shape, spec) for s, spec in zip(self.leaves, self.specs) if spec]
+        if not sharded:
+            return state
+        n = self.nbatch
+
+        def shard(x):
+            for shape, spec in sharded:
+                extra = x.ndim - len(shape)
+                if extra >= 0 and x.shape[:n] == shape[:n] and x.shape[n + extra :] == shape[n:]:
+                    new = PartitionSpec(*spec[:n], *[None] * extra, *spec[n:])
+                    return jax.sharding.reshard(x, new)
+            return x
+
+        return jtu.tree_map(shard, state)
 
     def batch_shape(self) -> tuple[int, ...]:
         return self.leaves[0].shape[: self.nbatch]
@@ -77,6 +98,22 @@ def _reduce_id(reduce: Any) -> Any:
     return as_reduction(reduce)
 
 
+# What the user wrote, for primitives that arrive under another name.
+_WRITTEN_AS = {
+    "shard_map": "`jax.shard_map` or `jax.pmap` (the primitive 'shard_map')",
+    "xla_pmap": "`jax.pmap` (the primitive 'xla_pmap')",
+}
+
+
+def _log_sites(eqn: _compat.JaxprEqn) -> list[str]:
+    """The call sites of the logs inside `eqn`, however deeply nested."""
+    sites = []
+    for sub in _compat.sub_jaxprs(eqn.params):
+        for inner in _compat.unpack(sub)[0].eqns:
+            sites += [inner.params["site"]] if is_log(inner) else _log_sites(inner)
+    return sites
+
+
 def _site_list(sites: Sequence[str]) -> str:
     return "; ".join(dict.fromkeys(sites))
 
@@ -89,9 +126,17 @@ def _python_scalar(dtype) -> Any:
     return 1j
 
 
-def _merge_leaf(key, info, i, shape, dtype, weak, site):
+def _merge_leaf(key, info, i, shape, dtype, weak, site, nbatch):
     old = info.leaves[i]
     where = f"at {site} and at {_site_list(info.sites)}"
+    if old.shape != shape and nbatch and old.shape[nbatch:] == shape[nbatch:]:
+        raise ValueError(
+            f"eqx_logs: key {key!r} is logged under vmaps of different sizes "
+            f"({old.shape[:nbatch]} and {shape[:nbatch]}, {where}), so its events cannot be "
+            "stacked. This is what `lax.map(f, xs, batch_size=k)` does when k does not divide "
+            "the length (a vmap over the remainder): pick a batch_size that divides it, or "
+            "log outside the mapped function."
+        )
     if old.shape != shape:
         raise ValueError(
             f"eqx_logs: key {key!r} is logged with shape {old.shape} and with shape {shape} "
@@ -272,13 +317,20 @@ class Interpreter:
     def rule(self, eqn: _compat.JaxprEqn) -> Any:
         rule = self.rules.get(eqn.primitive.name)
         if rule is None:
-            raise UnhandledPrimitiveError(
-                f"eqx_logs: the primitive {eqn.primitive.name!r} (at "
-                f"{_compat.eqn_location(eqn)}) contains logs, but spool has no rule for it, so "
-                "its events cannot be captured and would be lost. Move the logs out of it, or "
-                f"wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
-            )
+            self.unhandled(eqn)
         return rule
+
+    def unhandled(self, eqn: _compat.JaxprEqn) -> None:
+        """Raise the error for a primitive that holds logs and has no rule."""
+        name = eqn.primitive.name
+        what = _WRITTEN_AS.get(name, f"the primitive {name!r}")
+        sites = _log_sites(eqn)
+        raise UnhandledPrimitiveError(
+            f"eqx_logs: {what} (at {_compat.eqn_location(eqn)}) contains logs"
+            f"{f' (at {_site_list(sites)})' if sites else ''}, but spool and tap have no rule "
+            "for it yet, so its events cannot be captured and would be lost. Move the logs "
+            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
+        )
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
         params = eqn.params
@@ -304,6 +356,7 @@ class Interpreter:
                     sites=[site],
                     nbatch=params["nbatch"],
                     reduce=[(site, params["reduce"])],
+                    specs=[_compat.explicit_spec(avals[i]) for i in sub_leaves],
                 )
                 continue
             if info.treedef != sub_def:
@@ -314,7 +367,9 @@ class Interpreter:
                 )
             for j, i in enumerate(sub_leaves):
                 a = avals[i]
-                _merge_leaf(key, info, j, a.shape, a.dtype, getattr(a, "weak_type", False), site)
+                weak = getattr(a, "weak_type", False)
+                nbatch = params["nbatch"] if params["nbatch"] == info.nbatch else 0
+                _merge_leaf(key, info, j, a.shape, a.dtype, weak, site, nbatch)
             for name, s in steps.items():
                 if name in info.steps and info.steps[name].shape != s.shape:
                     raise ValueError(
@@ -560,6 +615,7 @@ class Interpreter:
             state[channel] = jtu.tree_map(
                 lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
             )
+        state["value"] = info.shard_like_values(state["value"])
         return state
 
 

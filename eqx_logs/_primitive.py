@@ -111,7 +111,16 @@ def _log_batch(args, dims, *, treedef, nbatch, **params):
     return [], []
 
 
+def _log_transpose(cts, *args, **params):
+    """A log inside a function JAX transposes (the `matvec` of `lax.custom_linear_solve`, whose
+    transpose is a derived `vecmat`) contributes no cotangent; the transposed function, which
+    the user did not write, does not log."""
+    del cts, params
+    return [None] * len(args)
+
+
 _compat.def_jvp(log_p, _log_jvp)
+_compat.def_transpose(log_p, _log_transpose)
 _compat.def_batching(log_p, _log_batch)
 _compat.keep_in_loops(log_p, LogEffect)
 

@@ -62,7 +62,7 @@ def _inline_apply(interp, eqn, invals, states):
     return interp.eval(_compat.call_jaxpr(eqn), invals, states)
 
 
-register(_compat.INLINE_CALLS, _call_count, _inline_apply)
+register([*_compat.INLINE_CALLS, _compat.CUSTOM_VMAP], _call_count, _inline_apply)
 
 
 # -- checkpoint / remat: rebuilt with jax.checkpoint ------------------------------------------
@@ -202,6 +202,79 @@ def _custom_vjp_apply(interp, eqn, invals, states):
 
 register(_compat.CUSTOM_JVP, _call_count, _custom_jvp_apply)
 register(_compat.CUSTOM_VJP, _call_count, _custom_vjp_apply)
+
+
+# -- custom_linear_solve: rebuilt with the states as the solve's auxiliary output ---------------
+# `lax.custom_linear_solve` (and so `jax.scipy.sparse.linalg.cg`, `gmres`, `bicgstab`) runs its
+# `solve` jaxpr forward; its other jaxprs serve derivatives. The states ride out of `solve` as
+# its auxiliary data (`has_aux`), so the solve runs once and its derivatives stay implicit.
+# Logs in `matvec` as derivatives re-run it (not the forward solve) are removed.
+
+
+def _linear_solve_count(interp, eqn):
+    jaxprs, _, _ = _compat.linear_solve_parts(eqn)
+    return interp.count(jaxprs["solve"])
+
+
+def _linear_solve_apply(interp, eqn, invals, states):
+    jaxprs, positions, num_consts = _compat.linear_solve_parts(eqn)
+    consts = {name: [invals[i] for i in idx] for name, idx in positions.items()}
+    b = list(invals[num_consts:])
+    sub = _only(states, interp.keys(jaxprs["solve"]))
+
+    def run(name, args):
+        closed = _compat.strip_jaxpr(jaxprs[name], is_log, log_effect)
+        return interp.eval(closed, [*consts[name], *args], {})[0]
+
+    def solve(matvec, b):
+        del matvec  # traced into the solve jaxpr already
+        return interp.eval(jaxprs["solve"], [*consts["solve"], *b], sub)
+
+    transpose_solve = None
+    if jaxprs["transpose_solve"] is not None:
+
+        def transpose_solve(vecmat, b):
+            del vecmat
+            return run("transpose_solve", b), jax.tree.map(jnp.zeros_like, sub)
+
+    x, sub = lax.custom_linear_solve(
+        lambda x: run("matvec", x),
+        b,
+        solve,
+        transpose_solve,
+        symmetric=jaxprs["vecmat"] is jaxprs["matvec"],
+        has_aux=True,
+    )
+    return x, {**states, **sub}
+
+
+register(_compat.LINEAR_SOLVE, _linear_solve_count, _linear_solve_apply)
+
+
+# -- hi primitives (jax >= 0.12): lax.custom_root ---------------------------------------------
+# The outputs come from the primitive (its logs are not bound again when JAX expands it, after
+# the spool traced), the events from its forward jaxpr (the `solve`) on stop-gradient inputs.
+
+
+def _hi_forward(interp, eqn):
+    forward = _compat.hi_forward(eqn)
+    if forward is None:
+        interp.unhandled(eqn)
+    return forward
+
+
+def _hi_count(interp, eqn):
+    return interp.count(_hi_forward(interp, eqn)[0])
+
+
+def _hi_apply(interp, eqn, invals, states):
+    forward, n = _hi_forward(interp, eqn)
+    outs = _compat.bind_eqn(eqn, invals)
+    _, states = interp.eval(forward, [lax.stop_gradient(x) for x in invals[:n]], states)
+    return outs, states
+
+
+register(_compat.HI_CALL, _hi_count, _hi_apply)
 
 
 # -- scan: states ride in the carry -----------------------------------------------------------

@@ -1,0 +1,161 @@
+"""More primitives (custom_linear_solve and the solvers built on it, custom_root, custom_vmap),
+jax.export, layouts that do not depend on neighbours, and errors that name what the user
+wrote."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax import export, lax
+
+import eqx_logs as el
+
+A = jnp.array([[4.0, 1.0, 0.0], [1.0, 3.0, 1.0], [0.0, 1.0, 2.0]])
+B = jnp.array([1.0, 2.0, 3.0])
+
+
+def _solver(method, hook):
+    def solve(b):
+        def matvec(x):
+            hook(x)
+            return A @ x
+
+        return method(matvec, b, tol=1e-6)[0]
+
+    return solve
+
+
+@pytest.mark.parametrize(
+    "method", [jax.scipy.sparse.linalg.cg, jax.scipy.sparse.linalg.gmres], ids=["cg", "gmres"]
+)
+def test_sparse_solvers(method):
+    calls = []
+    jax.block_until_ready(_solver(method, lambda x: jax.debug.callback(calls.append, x))(B))
+    jax.effects_barrier()
+    solve = _solver(method, lambda x: el.log("x", x))
+    x, logs = el.spool(solve, reduce=el.Stack(capacity=64))(B)
+    assert_close(x, np.linalg.solve(A, B))
+    assert int(logs.count["x"]) == len(calls) > 0
+    np.testing.assert_allclose(logs["x"][: len(calls)], np.stack(calls), rtol=1e-5, atol=1e-6)
+    # derivatives stay implicit (A is symmetric: d sum(x) / db = A^-1 1)
+    want = np.linalg.solve(A, np.ones(3))
+    assert_close(jax.grad(lambda b: jnp.sum(el.spool(solve, reduce="count")(b)[0]))(B), want)
+    g, logs = el.spool(jax.grad(lambda b: jnp.sum(solve(b))), reduce="count")(B)
+    assert_close(g, want)
+    assert int(logs["x"]) >= len(calls)  # the forward solve, then the transposed one
+
+
+def test_custom_linear_solve_logs_of_the_forward_solve():
+    def f(b):
+        def matvec(x):
+            el.log("matvec", x)
+            return 2 * x
+
+        def solve(matvec, b):
+            el.log("solve", b)
+            return b / 2
+
+        return lax.custom_linear_solve(matvec, b, solve, symmetric=True)
+
+    x, logs = el.spool(f)(jnp.ones(2))
+    assert_close(x, [0.5, 0.5])
+    assert list(logs) == ["solve"]  # the user's solve never calls matvec
+    assert_close(logs["solve"], [[1.0, 1.0]])
+
+
+def test_custom_root():
+    def root(a):
+        def f(x):
+            el.log("f", x)
+            return x**2 - a
+
+        def solver(f, x0):
+            return lax.fori_loop(0, 5, lambda i, x: x - f(x) / (2 * x), x0)
+
+        return lax.custom_root(f, 1.0, solver, lambda g, y: y / 2.0)
+
+    x, logs = el.spool(root, reduce="count")(2.0)
+    assert_close(x, np.sqrt(2.0))
+    assert int(logs["f"]) == 5
+
+
+def test_custom_vmap():
+    @jax.custom_batching.custom_vmap
+    def f(x):
+        el.log("f", x)
+        return x + 1
+
+    @f.def_vmap
+    def _(axis_size, in_batched, x):
+        return x + 1, in_batched[0]
+
+    out, logs = el.spool(f)(jnp.float32(1.0))
+    assert_close(out, 2.0)
+    assert_close(logs["f"], [1.0])
+
+
+def test_lax_map_batches():
+    def f(xs, batch_size):
+        def g(x):
+            el.log("x", x)
+            return 2 * x
+
+        return lax.map(g, xs, batch_size=batch_size)
+
+    out, logs = el.spool(lambda xs: f(xs, 3))(jnp.arange(6.0))
+    assert_close(out, 2 * np.arange(6.0))
+    np.testing.assert_array_equal(logs["x"], np.arange(6.0).reshape(2, 3))  # (batches, lanes)
+    with pytest.raises(ValueError, match=r"vmaps of different sizes.*batch_size"):
+        el.spool(lambda xs: f(xs, 3))(jnp.arange(7.0))
+
+
+def test_pmap_error_names_what_the_user_wrote():
+    def f(x):
+        el.log("x", x)
+        return x
+
+    with pytest.raises(NotImplementedError, match=r"jax.pmap.*test_primitives.py:\d+ \(f\)"):
+        el.spool(jax.pmap(f))(jnp.arange(1.0))
+
+
+def test_bad_tags_name_the_argument():
+    with pytest.raises(TypeError, match=r"tags at .*test_primitives.py.*got 1"):
+        el.log("x", 1.0, tags=1)
+
+
+def test_layout_does_not_depend_on_neighbours():
+    def f(x):
+        mean = lax.pmean(x, "batch")  # not batched
+        el.log("alone", mean)
+        el.log({"together": mean, "x": x})
+        return x
+
+    _, logs = el.spool(jax.vmap(f, axis_name="batch"))(jnp.arange(3.0))
+    assert logs["alone"].shape == logs["together"].shape == (1,)
+    assert logs["x"].shape == (1, 3)
+    assert_close(logs["together"], [1.0])
+
+
+def _scan_logging(xs):
+    def step(c, x):
+        el.log("c", c, step=x.astype(jnp.int32))
+        return c + x, None
+
+    return lax.scan(step, 0.0, xs)[0]
+
+
+def test_export_serializes_and_keeps_symbolic_lengths():
+    exported = export.export(jax.jit(el.spool(_scan_logging, interval=2)))(jnp.arange(5.0))
+    out, logs = export.deserialize(exported.serialize()).call(jnp.arange(5.0))
+    want_out, want = el.spool(_scan_logging, interval=2)(jnp.arange(5.0))
+    assert_close(out, want_out)
+    assert_close(logs["c"], want["c"])
+    np.testing.assert_array_equal(logs.step["c"], [0, 2, 4])
+    (n,) = export.symbolic_shape("n")
+    for reduce in ("stack", "mean"):
+        spooled = jax.jit(el.spool(_scan_logging, interval=2, reduce=reduce))
+        exported = export.export(spooled)(jax.ShapeDtypeStruct((n,), jnp.float32))
+        out, logs = exported.call(jnp.arange(7.0))
+        _, want = el.spool(_scan_logging, interval=2, reduce=reduce)(jnp.arange(7.0))
+        assert_close(logs["c"], want["c"])
