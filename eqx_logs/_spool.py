@@ -101,6 +101,11 @@ class _Spooled(eqx.Module):
     policy: Policy
     keep: bool = eqx.field(static=True)
 
+    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
+    # arrays, a model's or a logger state).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
     @property
     def __wrapped__(self):
         return self.fun

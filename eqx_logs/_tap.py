@@ -433,6 +433,11 @@ class _Tapped(eqx.Module):
     sink: Callable = eqx.field(static=True)
     context: Any
 
+    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
+    # arrays, a model's or a logger state).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
     @property
     def __wrapped__(self):
         return self.fun

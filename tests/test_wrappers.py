@@ -45,6 +45,9 @@ def test_leaves_are_the_models_arrays(wrap):
         text = eqx.filter_jit(wrapped).lower(X).as_text()
         eqx.filter_jit(wrapped)(X)
     assert len(text) < 20_000, len(text)  # a baked-in 256x256 weight is ~500k characters
+    # plain jax.jit still takes it, as it took the closure (the weights become constants)
+    out = jax.jit(wrapped)(X)
+    assert_close(out[0] if wrap == "spool" else out, m(X))
 
 
 def test_filter_grad_and_tree_at():

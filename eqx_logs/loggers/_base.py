@@ -326,6 +326,11 @@ class _LoggerSpooled(eqx.Module):
     spooled: Callable
     state: LoggerState
 
+    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
+    # arrays, a model's or a logger state).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
     @property
     def __wrapped__(self):
         return self.spooled.__wrapped__
@@ -340,6 +345,11 @@ class _LoggerSpooled(eqx.Module):
 class _LoggerTapped(eqx.Module):
     logger: AbstractLogger
     tapped: Callable
+
+    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
+    # arrays, a model's or a logger state).
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
 
     @property
     def __wrapped__(self):
