@@ -14,12 +14,14 @@ Two passes over a traced program:
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
@@ -53,6 +55,16 @@ class _KeyInfo:
     nbatch: int
     reduce: list[tuple[str, Any]]  # (call site, the reduction it names), every site seen
     specs: list[tuple[Any, ...] | None]  # each leaf's partition spec over Explicit axes
+    # Sites logged the key under vmaps of different sizes (`lax.map(..., batch_size=k)` with a
+    # remainder): then each lane of each event is an event of its own, in lane order.
+    lanes_as_events: bool = False
+
+    def to_lanes_as_events(self) -> None:
+        batch = self.batch_shape()
+        self.leaves = [jax.ShapeDtypeStruct(s.shape[self.nbatch :], s.dtype) for s in self.leaves]
+        self.steps = {n: _unbatched(s, batch) for n, s in self.steps.items()}
+        self.specs = [None if spec is None else spec[self.nbatch :] for spec in self.specs]
+        self.nbatch, self.lanes_as_events = 0, True
 
     def shard_like_values(self, state: Any) -> Any:
         """`state` (of the value channel) with each leaf that holds values of a sharded leaf
@@ -126,17 +138,17 @@ def _python_scalar(dtype) -> Any:
     return 1j
 
 
-def _merge_leaf(key, info, i, shape, dtype, weak, site, nbatch):
+def _unbatched(s: jax.ShapeDtypeStruct, batch: tuple[int, ...]) -> jax.ShapeDtypeStruct:
+    """`s` without the leading `batch` axes, if it has them."""
+    n = len(batch)
+    if s.shape[:n] != batch:
+        return s
+    return jax.ShapeDtypeStruct(s.shape[n:], s.dtype)
+
+
+def _merge_leaf(key, info, i, shape, dtype, weak, site):
     old = info.leaves[i]
     where = f"at {site} and at {_site_list(info.sites)}"
-    if old.shape != shape and nbatch and old.shape[nbatch:] == shape[nbatch:]:
-        raise ValueError(
-            f"eqx_logs: key {key!r} is logged under vmaps of different sizes "
-            f"({old.shape[:nbatch]} and {shape[:nbatch]}, {where}), so its events cannot be "
-            "stacked. This is what `lax.map(f, xs, batch_size=k)` does when k does not divide "
-            "the length (a vmap over the remainder): pick a batch_size that divides it, or "
-            "log outside the mapped function."
-        )
     if old.shape != shape:
         raise ValueError(
             f"eqx_logs: key {key!r} is logged with shape {old.shape} and with shape {shape} "
@@ -304,11 +316,21 @@ class Interpreter:
         for eqn in jaxpr.eqns:
             if is_log(eqn):
                 if self.policy.selects(eqn.params["tags"]):
-                    total = _add(total, {k: 1 for k in self._record(eqn)})
+                    keys = self._record(eqn)
+                    total = _add(total, {k: self._events_per_log(eqn, k) for k in keys})
             elif self.eqn_has_log(eqn):
                 total = _add(total, self.rule(eqn).count(self, eqn))
         self._counts[id(closed)] = (closed, total)
         return total
+
+    def _events_per_log(self, eqn: _compat.JaxprEqn, key: str) -> int:
+        """Events one execution of a log equation makes for `key`: one, or one per lane."""
+        nb = eqn.params["nbatch"]
+        if not self.info[key].lanes_as_events or not nb:
+            return 1
+        treedef = eqn.params["treedef"]
+        first = jtu.tree_leaves(jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))[key])
+        return math.prod(eqn.invars[first[0]].aval.shape[:nb])
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The keys with a state (selected, not dropped) logged in `closed`."""
@@ -365,11 +387,25 @@ class Interpreter:
                     f"and {info.treedef} at {_site_list(info.sites)}. Every event of one key must "
                     "have the same structure."
                 )
+            nb = params["nbatch"]
+            batch = avals[sub_leaves[0]].shape[:nb]
+            if (
+                not info.lanes_as_events
+                and nb
+                and nb == info.nbatch
+                and batch != info.batch_shape()
+                and all(
+                    avals[i].shape[nb:] == s.shape[nb:] for i, s in zip(sub_leaves, info.leaves)
+                )
+            ):
+                info.to_lanes_as_events()
+            if info.lanes_as_events:  # compare one lane of this site's events
+                steps = {n: _unbatched(s, batch) for n, s in steps.items()}
             for j, i in enumerate(sub_leaves):
                 a = avals[i]
+                shape = a.shape[nb:] if info.lanes_as_events else a.shape
                 weak = getattr(a, "weak_type", False)
-                nbatch = params["nbatch"] if params["nbatch"] == info.nbatch else 0
-                _merge_leaf(key, info, j, a.shape, a.dtype, weak, site, nbatch)
+                _merge_leaf(key, info, j, shape, a.dtype, weak, site)
             for name, s in steps.items():
                 if name in info.steps and info.steps[name].shape != s.shape:
                     raise ValueError(
@@ -475,6 +511,10 @@ class Interpreter:
         if passed and _compat.logging_enabled.value:
             rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
         keys = [k for k in items if k in states]
+        by_lane = [k for k in keys if self.info[k].lanes_as_events and params["nbatch"]]
+        if by_lane:
+            keys = [k for k in keys if k not in by_lane]
+            self._lane_events(by_lane, items, force(invals[:n_leaves]), steps, mask, states)
         valid = {}
         for key in keys:
             states[key], valid[key] = self._gate(key, states[key], steps, mask)
@@ -493,6 +533,25 @@ class Interpreter:
             kept = functools.reduce(jnp.logical_or, [jnp.any(v) for v in valid.values()])
             sub = lax.cond(kept, lambda s: fold(s, force(invals[:n_leaves], {})), lambda s: s, sub)
         states.update(sub)
+
+    def _lane_events(self, keys, items, leaves, steps, mask, states) -> None:
+        """Each lane of a batched event as an event of its own (`_KeyInfo.lanes_as_events`)."""
+        for key in keys:
+            value = jtu.tree_map(lambda i: leaves[i], items[key])
+            batch = jnp.shape(jtu.tree_leaves(value)[0])[
+                : -len(self.info[key].leaves[0].shape) or None
+            ]
+            lane_mask = True if mask is True else _lanes.fit(mask, batch)
+            for idx in np.ndindex(*batch):
+                lane_steps = {
+                    n: x[idx] if jnp.shape(x)[: len(batch)] == batch else x
+                    for n, x in steps.items()
+                }
+                lane = jtu.tree_map(lambda x: x[idx], value)
+                m = True if lane_mask is True else lane_mask[idx]
+                states[key], valid = self._gate(key, states[key], lane_steps, m)
+                event = self._event_of(key, lane, lane_steps)
+                states[key] = self._fold(key, states[key], event, valid)
 
     def _event_of(self, key: str, value: Any, steps: dict[str, Any]) -> dict[str, Any]:
         """One event of `key`, cast to its recorded types: the value and every step."""
@@ -557,6 +616,9 @@ class Interpreter:
 
     def run(self, closed: Any, args: Sequence[Any]) -> tuple[list[Any], LogDict]:
         counts = self.count(closed)
+        if any(info.lanes_as_events for info in self.info.values()):
+            self._counts.clear()  # sites counted before a key turned to lanes as events
+            counts = self.count(closed)
         self._reductions = {}
         self._channels = {}
         for key in counts:

@@ -106,8 +106,13 @@ def test_lax_map_batches():
     out, logs = el.spool(lambda xs: f(xs, 3))(jnp.arange(6.0))
     assert_close(out, 2 * np.arange(6.0))
     np.testing.assert_array_equal(logs["x"], np.arange(6.0).reshape(2, 3))  # (batches, lanes)
-    with pytest.raises(ValueError, match=r"vmaps of different sizes.*batch_size"):
-        el.spool(lambda xs: f(xs, 3))(jnp.arange(7.0))
+    # with a remainder (a vmap over 1 beside vmaps over 3), each lane is an event, in order
+    out, logs = el.spool(lambda xs: f(xs, 3))(jnp.arange(7.0))
+    assert_close(out, 2 * np.arange(7.0))
+    np.testing.assert_array_equal(logs["x"], np.arange(7.0))
+    assert int(logs.count["x"]) == 7
+    _, logs = el.spool(lambda xs: f(xs, 3), reduce="mean", interval=2)(jnp.arange(7.0))
+    assert_close(logs["x"], np.mean([0.0, 2.0, 4.0, 6.0]))
 
 
 def test_pmap_error_names_what_the_user_wrote():
