@@ -410,6 +410,25 @@ def _tangent_zero(x: Any, symbolic: bool) -> Any:
     return _SymbolicZero(aval) if symbolic else _ad_util.zeros_like_aval(aval)
 
 
+def bind_custom_rules_in(eqn: JaxprEqn, invals: Sequence[Any], context: Callable[[], Any]):
+    """Bind a custom_jvp/custom_vjp equation again as it is, except that its JVP, forward and
+    backward rules (traced later by JAX, if it differentiates) run under the context manager
+    `context()`. For calls whose primal does not log: their rules may."""
+    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    subfuns = list(params.pop("subfuns"))
+
+    def wrap(fun):
+        def wrapped(*args):
+            with context():
+                return fun.call_wrapped(*args)
+
+        return _wrap(wrapped, fun)
+
+    subfuns[1:] = [wrap(f) for f in subfuns[1:]]  # (fun, jvp) or (fun, fwd, bwd)
+    out = eqn.primitive.bind(*invals, subfuns=tuple(subfuns), **params)
+    return list(out)
+
+
 def bind_custom_jvp(
     eqn: JaxprEqn,
     invals: Sequence[Any],

@@ -167,7 +167,17 @@ class _Threaded:
         return flat[:n], {**states, **sub}
 
 
+def _rules_only(interp, eqn, invals):
+    """A custom call whose primal does not log: bound as it is, its rules with logging on
+    (their events pass on to an enclosing spool or tap, else warn)."""
+    name = f"the {eqn.primitive.name.removesuffix('_call')} function {_compat.function_name(eqn)}"
+    prefix = current_prefix()
+    return _compat.bind_custom_rules_in(eqn, invals, lambda: logging_as(prefix, name))
+
+
 def _custom_jvp_apply(interp, eqn, invals, states):
+    if not interp.eqn_has_log(eqn):
+        return _rules_only(interp, eqn, invals), states
     t = _Threaded(interp, eqn, invals, states)
     n = len(eqn.outvars)
 
@@ -184,6 +194,8 @@ def _custom_jvp_apply(interp, eqn, invals, states):
 
 
 def _custom_vjp_apply(interp, eqn, invals, states):
+    if not interp.eqn_has_log(eqn):
+        return _rules_only(interp, eqn, invals), states
     t = _Threaded(interp, eqn, invals, states)
 
     def fun(args, extra):
