@@ -73,7 +73,7 @@ def test_logger_per_step_loop(tmp_path, kind):
         step = eqx.filter_jit(lambda w, i: wrap(train_step, state, interval=INTERVAL)(w, i))
         w = jnp.ones(3)
         for i in range(STEPS):
-            w = step(w, i)
+            w = step(w, jnp.int32(i))  # an array: filter_jit would retrace for each Python int
     records = [r for r in read_jsonl(path) if r["key"] == "loss"]
     got = [(r["step"], r["value"]) for r in records]
     np.testing.assert_allclose(got, [r[:2] for r in kept_reference()], rtol=1e-5)
