@@ -35,6 +35,8 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_core.py
 	.venv/bin/python benchmarks/bench_reductions.py
 	.venv/bin/python benchmarks/bench_tap.py
+	.venv/bin/python benchmarks/bench_diffrax.py
+	.venv/bin/python benchmarks/bench_interval.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks
