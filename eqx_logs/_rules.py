@@ -118,8 +118,7 @@ class _Threaded:
         self.extra = [jnp.asarray(x) for x in extra]
         self.out_def = None
         self.prefix = current_prefix()
-        kind = eqn.primitive.name.removesuffix("_call")
-        self.name = f"the {kind} function {_compat.function_name(eqn)}"
+        self.name = _custom_name(eqn)
 
     def run(self, closed, args, extra, *, rule):
         """Evaluate `closed` (the primal, or the user's rule) on `args` (without constants,
@@ -128,7 +127,9 @@ class _Threaded:
         sub, context, lanes = jtu.tree_unflatten(self.in_def, extra)
         if rule:
             self._check(closed)
-        saved, interp.rule_name = interp.rule_name, self.name if rule else interp.rule_name
+        saved = interp.rule_name
+        if rule:
+            interp.rule_name = self.name
         try:
             logging = logging_as(self.prefix) if rule else contextlib.nullcontext()
             with interp.restored(context, self.static), logging:
@@ -167,11 +168,16 @@ class _Threaded:
         return flat[:n], {**states, **sub}
 
 
+def _custom_name(eqn) -> str:
+    """The custom function as the user wrote it, for messages: `the custom_vjp function f at
+    file.py:12`."""
+    return f"the {eqn.primitive.name.removesuffix('_call')} function {_compat.function_name(eqn)}"
+
+
 def _rules_only(interp, eqn, invals):
     """A custom call whose primal does not log: bound as it is, its rules with logging on
     (their events pass on to an enclosing spool or tap, else warn)."""
-    name = f"the {eqn.primitive.name.removesuffix('_call')} function {_compat.function_name(eqn)}"
-    prefix = current_prefix()
+    name, prefix = _custom_name(eqn), current_prefix()
     return _compat.bind_custom_rules_in(eqn, invals, lambda: logging_as(prefix, name))
 
 
