@@ -193,8 +193,8 @@ def unbounded(counts: Counts) -> Counts:
 class Interpreter:
     """Evaluates jaxprs, folding log events into per-key reduction states."""
 
-    # Whether custom_jvp/custom_vjp calls are rebuilt even when their primal does not log:
-    # their rules, traced later by JAX, may log (see `_rules.py`).
+    # Whether custom_jvp/custom_vjp calls whose primal does not log go through their rule too:
+    # their derivative rules, traced later by JAX, may log (see `_rules._rules_only`).
     wraps_custom_rules = True
 
     # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`) even
