@@ -16,9 +16,13 @@ from . import _compat
 Producers = dict[Any, tuple[int, _compat.JaxprEqn]]  # var -> (position, equation making it)
 
 
-def log_only(jaxpr: _compat.Jaxpr, keeps: Callable[[_compat.JaxprEqn], bool]) -> Producers:
-    """The equations of `jaxpr` whose outputs only logs use, by output variable. `keeps(eqn)`
-    is true for equations that must run where they are (logs, effects, logs inside)."""
+def log_only(
+    jaxpr: _compat.Jaxpr,
+    is_log: Callable[[_compat.JaxprEqn], bool],
+    keeps: Callable[[_compat.JaxprEqn], bool],
+) -> Producers:
+    """The equations of `jaxpr` whose outputs only logs (`is_log`) use, by output variable.
+    `keeps(eqn)` is true for other equations that must run where they are (logs inside)."""
     used_elsewhere = {v for v in jaxpr.outvars if not isinstance(v, _compat.Literal)}
     used_by_logs: set[Any] = set()
     producers: Producers = {}
@@ -26,8 +30,11 @@ def log_only(jaxpr: _compat.Jaxpr, keeps: Callable[[_compat.JaxprEqn], bool]) ->
         eqn = jaxpr.eqns[i]
         outs = [v for v in eqn.outvars if not isinstance(v, _compat.DropVar)]
         inputs = {v for v in eqn.invars if not isinstance(v, _compat.Literal)}
+        if is_log(eqn):
+            used_by_logs.update(inputs)
+            continue
         if keeps(eqn):
-            (used_by_logs if _is_log(eqn) else used_elsewhere).update(inputs)
+            used_elsewhere.update(inputs)
             continue
         deferrable = (
             not eqn.effects
@@ -41,12 +48,6 @@ def log_only(jaxpr: _compat.Jaxpr, keeps: Callable[[_compat.JaxprEqn], bool]) ->
         else:
             used_elsewhere.update(inputs)
     return producers
-
-
-def _is_log(eqn: _compat.JaxprEqn) -> bool:
-    from ._primitive import is_log
-
-    return is_log(eqn)
 
 
 class Lazy:

@@ -463,9 +463,9 @@ class Interpreter:
         if hit is None:
 
             def keeps(eqn):
-                return is_log(eqn) or self.eqn_has_log(eqn) or _lanes.is_lane_primitive(eqn)
+                return self.eqn_has_log(eqn) or _lanes.is_lane_primitive(eqn)
 
-            producers = log_only(jaxpr, keeps)
+            producers = log_only(jaxpr, is_log, keeps)
             deferred = {id(eqn) for _, eqn in producers.values()}
             hit = self._log_only_cache[id(jaxpr)] = (jaxpr, producers, deferred)
         return hit[1], hit[2]
@@ -514,7 +514,8 @@ class Interpreter:
         by_lane = [k for k in keys if self.info[k].lanes_as_events and params["nbatch"]]
         if by_lane:
             keys = [k for k in keys if k not in by_lane]
-            self._lane_events(by_lane, items, force(invals[:n_leaves]), steps, mask, states)
+            leaves = force(invals[:n_leaves])
+            self._lane_events(by_lane, items, leaves, steps, mask, params["nbatch"], states)
         valid = {}
         for key in keys:
             states[key], valid[key] = self._gate(key, states[key], steps, mask)
@@ -534,13 +535,11 @@ class Interpreter:
             sub = lax.cond(kept, lambda s: fold(s, force(invals[:n_leaves], {})), lambda s: s, sub)
         states.update(sub)
 
-    def _lane_events(self, keys, items, leaves, steps, mask, states) -> None:
+    def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
         """Each lane of a batched event as an event of its own (`_KeyInfo.lanes_as_events`)."""
         for key in keys:
             value = jtu.tree_map(lambda i: leaves[i], items[key])
-            batch = jnp.shape(jtu.tree_leaves(value)[0])[
-                : -len(self.info[key].leaves[0].shape) or None
-            ]
+            batch = jnp.shape(jtu.tree_leaves(value)[0])[:nbatch]
             lane_mask = True if mask is True else _lanes.fit(mask, batch)
             for idx in np.ndindex(*batch):
                 lane_steps = {
