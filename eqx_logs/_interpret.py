@@ -210,7 +210,8 @@ class Interpreter:
         if lane is None:
             yield
             return
-        self._lane_guards.append(lane)
+        # with no lane axes, the lane value is `pred()` (true here) unless a vmap batches it
+        self._lane_guards.append(_lanes.shadow(True, lane) if jnp.ndim(lane) == 0 else lane)
         try:
             yield
         finally:
@@ -277,6 +278,15 @@ class Interpreter:
             lane = self.lane_of(xs[i])
             out[i] = jnp.broadcast_to(xs[i] if lane is None else lane, jnp.shape(old))
         return out
+
+    def carried(self, xs: Sequence[Any], lanes: dict[int, Any]) -> dict[int, Any]:
+        """`lanes` as a loop carries them: a lane value with no lane axes is `xs[i]` itself
+        unless a vmap batches them apart (`_lanes.shadow`), so where none does, XLA sees two
+        equal carries and keeps one."""
+        return {
+            i: _lanes.shadow(xs[i], lane) if jnp.shape(lane) == jnp.shape(xs[i]) else lane
+            for i, lane in lanes.items()
+        }
 
     def __init__(self, policy: Policy, rules: dict[str, Any], *, keep: bool = False):
         self.policy = policy
@@ -491,7 +501,7 @@ class Interpreter:
         inside the `lax.cond` that folds it in."""
         params = eqn.params
         selected = self.policy.selects(params["tags"])
-        if (not selected or self.keep) and _compat.logging_enabled.value:
+        if not selected or self.keep:
             # not ours (or kept): an enclosing spool sees it
             rebind(eqn, force(invals), self.lane_mask())
         if not selected:
@@ -508,7 +518,7 @@ class Interpreter:
         # derivative rule but not by its primal (`_rules.py`): those pass on, and warn if no
         # enclosing spool or tap captures them.
         passed = [k for k in items if k not in states and not self._dropped(k)]
-        if passed and _compat.logging_enabled.value:
+        if passed:
             rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
         keys = [k for k in items if k in states]
         by_lane = [k for k in keys if self.info[k].lanes_as_events and params["nbatch"]]

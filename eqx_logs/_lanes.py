@@ -17,6 +17,11 @@ and events under the guard are masked with it.
 - Under a `vmap` inside the spool, the batching rule of `unvmap_any` (while logging is on)
   binds `lane_reduce_p` instead, which computes the same value but records which axes of its
   operand are batch axes, so the interpreter can reduce over the others only.
+
+A lane value with no lane axes equals its value until a `vmap` batches them apart. Where
+events use one (as a mask), they use `shadow(value, lane)`, which is `value` where nothing is
+batched: XLA then drops the lane computation of a program no `vmap` batches, and the loops
+carry no lane values.
 """
 
 from collections.abc import Callable, Sequence
@@ -51,6 +56,29 @@ def _lane_reduce_impl(x, *, op, axes):
 
 lane_reduce_p.def_impl(_lane_reduce_impl)
 _compat.def_lowering(lane_reduce_p, lambda x, *, op, axes: [_lane_reduce_impl(x, op=op, axes=axes)])
+
+
+shadow_p = _compat.Primitive("eqx_logs.shadow")
+shadow_p.def_abstract_eval(lambda value, lane: lane)
+shadow_p.def_impl(lambda value, lane: value)
+_compat.def_lowering(shadow_p, lambda value, lane: [value])
+
+
+def _shadow_batch(args, dims):
+    (value, lane), (value_dim, lane_dim) = args, dims
+    if value_dim is None and lane_dim is None:
+        return shadow_p.bind(value, lane), None
+    return lane, lane_dim  # batched apart: the lane value is what each lane computes
+
+
+_compat.def_batching(shadow_p, _shadow_batch)
+
+
+def shadow(value: Any, lane: Any) -> Any:
+    """`lane` where a `vmap` batches it (or `value`), `value` elsewhere. For a lane value with no
+    lane axes, whose value (without batching) is `value`."""
+    value = jnp.broadcast_to(jnp.asarray(value, jnp.result_type(lane)), jnp.shape(lane))
+    return shadow_p.bind(value, jnp.asarray(lane))
 
 
 def _batch_axes(axes: tuple[int, ...], dim: int) -> tuple[int, ...]:

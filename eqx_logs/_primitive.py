@@ -38,15 +38,6 @@ class LogEffect(_compat.Effect):
 log_effect = LogEffect()
 _compat.register_effect(LogEffect)
 
-log_p = _compat.Primitive("eqx_logs.log")
-log_p.multiple_results = True
-
-
-@log_p.def_effectful_abstract_eval
-def _log_abstract_eval(*avals, **params):
-    del avals, params
-    return [], {log_effect}
-
 
 def _lost_message(site: str, rule: str) -> str:
     return (
@@ -60,6 +51,36 @@ def _lost_message(site: str, rule: str) -> str:
 
 class LostEventsWarning(UserWarning):
     """Log events that no spool or tap captured (see `_lost_message`)."""
+
+
+class _LogPrimitive(_compat.Primitive):
+    """A log bound where no spool or tap is tracing (logging off) is dropped, as `log` is
+    outside a spool: the program keeps no log and no `LogEffect` (an effectful program
+    dispatches on JAX's slow path). Such binds come from jaxprs a library captured under a
+    spool and evaluates later (Equinox's checkpointed loops re-run their body in the
+    backward pass), and from custom derivative rules JAX traces after the spool returned."""
+
+    multiple_results = True
+
+    def bind(self, *args, **params):
+        if _compat.logging_enabled.value:
+            return super().bind(*args, **params)
+        _dropped(params["site"], params["rule"])
+        return []
+
+
+def _dropped(site: str, rule: str | None) -> None:
+    if rule is not None:
+        warnings.warn(_lost_message(site, rule), LostEventsWarning, stacklevel=3)
+
+
+log_p = _LogPrimitive("eqx_logs.log")
+
+
+@log_p.def_effectful_abstract_eval
+def _log_abstract_eval(*avals, **params):
+    del avals, params
+    return [], {log_effect}
 
 
 @log_p.def_impl
@@ -152,8 +173,12 @@ def rebind(
 ) -> None:
     """Bind a log equation again (for an enclosing spool or tap): only `keys` of it (None:
     all), its events masked by `mask` too (a bool per lane; None: as they were), and marked
-    as coming from the backward or forward `rule` of a custom derivative (None: as it was)."""
+    as coming from the backward or forward `rule` of a custom derivative (None: as it was).
+    Where no spool or tap is tracing, the events are dropped (see `log_p`)."""
     params = dict(eqn.params)
+    if not _compat.logging_enabled.value:
+        _dropped(params["site"], rule or params["rule"])
+        return
     if mask is None and keys is None and rule is None:
         _compat.bind_eqn(eqn, invals)
         return
@@ -223,16 +248,19 @@ def current_prefix() -> str:
 
 
 @contextlib.contextmanager
-def logging_as(prefix: str, rule: str | None = None) -> Iterator[None]:
-    """Logging on, under the scope `prefix` (a function JAX traces later, such as a custom
-    derivative rule, logs as where it was written). `rule` names the custom rule whose
-    backward pass this is: its events are lost if no spool or tap captures them."""
+def logging_as(
+    prefix: str, rule: str | None = None, *, enabled: bool | None = True
+) -> Iterator[None]:
+    """Logging on (or as it is, for `enabled=None`), under the scope `prefix` (a function JAX
+    traces later, such as a custom derivative rule, logs as where it was written). `rule`
+    names the custom rule whose events pass on: they are lost, with a `LostEventsWarning`,
+    if no spool or tap captures them."""
     scopes, old_rule = _scopes(), getattr(_local, "rule", None)
     saved = list(scopes)
     scopes[:] = prefix.split("/") if prefix else []
     _local.rule = rule
     try:
-        with tracing_context(enabled=True):
+        with tracing_context(enabled=enabled):
             yield
     finally:
         scopes[:] = saved
@@ -268,7 +296,8 @@ def _call_site() -> str:
 
 _MISSING = object()
 # Attributes of LogDict that a step name would shadow.
-RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions", "rows"})
+# LogDict's attributes, and the fields of a logger's records (`loggers.records`)
+RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions", "rows", "key", "value", "run"})
 
 
 def _is_arraylike(x: Any) -> bool:
@@ -299,8 +328,9 @@ def _check_value(key: str, value: Any, site: str) -> list[Any]:
 def _check_step(name: str, value: Any, site: str) -> jax.Array:
     if name in RESERVED_STEP_NAMES:
         raise ValueError(
-            f"eqx_logs.log: step name {name!r} at {site} is reserved by LogDict "
-            f"({sorted(RESERVED_STEP_NAMES)}); choose another name such as 'iteration'."
+            f"eqx_logs.log: step name {name!r} at {site} is reserved by LogDict and the "
+            f"loggers' records ({sorted(RESERVED_STEP_NAMES)}); choose another name such as "
+            "'iteration'."
         )
     ok = isinstance(value, int) and not isinstance(value, bool)
     if not ok and isinstance(value, jax.Array | np.ndarray | np.generic):
@@ -403,6 +433,7 @@ def log(
         items[f"{prefix}/{key}" if prefix else key] = val
     step_vals = {name: _check_step(name, s, site) for name, s in steps.items()}
     if not _compat.logging_enabled.value:
+        _dropped(site, getattr(_local, "rule", None))  # a custom rule's, traced too late
         return None
     bind(items, step_vals, tags=tags, reduce=reduce, site=site)
 

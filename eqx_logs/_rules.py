@@ -131,7 +131,9 @@ class _Threaded:
         if rule:
             interp.rule_name = self.name
         try:
-            logging = logging_as(self.prefix) if rule else contextlib.nullcontext()
+            # a rule is evaluated when JAX differentiates: under the call's scope (what it
+            # passes on reaches an enclosing spool or tap if one is tracing, see `log_p`)
+            logging = logging_as(self.prefix, enabled=None) if rule else contextlib.nullcontext()
             with interp.restored(context, self.static), logging:
                 interp.with_lanes(args if rule else args[self.num_consts :], lanes)
                 outs, sub = interp.eval(closed, args, sub)
@@ -178,7 +180,7 @@ def _rules_only(interp, eqn, invals):
     """A custom call whose primal does not log: bound as it is, its rules with logging on
     (their events pass on to an enclosing spool or tap, else warn)."""
     name, prefix = _custom_name(eqn), current_prefix()
-    return _compat.bind_custom_rules_in(eqn, invals, lambda: logging_as(prefix, name))
+    return _compat.bind_custom_rules_in(eqn, invals, lambda: logging_as(prefix, name, enabled=None))
 
 
 def _custom_jvp_apply(interp, eqn, invals, states):
@@ -212,7 +214,7 @@ def _custom_vjp_apply(interp, eqn, invals, states):
         return t.run(fwd_closed, args, extra, rule=True)
 
     def bwd_context():  # its logs reach an enclosing spool or tap, if any (see `log_p`)
-        return logging_as(t.prefix, rule=t.name)
+        return logging_as(t.prefix, rule=t.name, enabled=None)
 
     flat = _compat.bind_custom_vjp(eqn, invals, t.extra, fun, fwd, t.rule_context, bwd_context)
     return t.finish(flat, states)
@@ -317,10 +319,10 @@ def _scan_apply(interp, eqn, invals, states):
         values = outs[:num_carry]
         new_lanes = interp.lanes_like(values, lanes)
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
-        return (values, lanes, sub), outs[num_carry:]
+        return (values, interp.carried(values, lanes), sub), outs[num_carry:]
 
     init_sub = _only(states, interp.keys(body))
-    carry = (init, interp.lanes(init), init_sub)
+    carry = (init, interp.carried(init, interp.lanes(init)), init_sub)
     options = _compat.scan_options(eqn)
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
@@ -378,9 +380,9 @@ def _while_apply(interp, eqn, invals, states):
             values, new_lanes, sub = advance(values, lanes, sub)
             lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
             pred, sub = test(values, lanes, sub)
-        return values, lanes, sub, pred, interp.lane_of(pred)
+        return values, interp.carried(values, lanes), sub, pred, interp.lane_of(pred)
 
-    carry = (init, init_lanes, sub, pred, interp.lane_of(pred))
+    carry = (init, interp.carried(init, init_lanes), sub, pred, interp.lane_of(pred))
     values, lanes, sub, _, _ = lax.while_loop(lambda c: c[3], loop_body, carry)
     interp.with_lanes(values, lanes)
     return values, {**states, **sub}

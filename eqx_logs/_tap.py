@@ -258,8 +258,7 @@ class _TapInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
-            if _compat.logging_enabled.value:  # not ours: an enclosing spool or tap sees it
-                rebind(eqn, force(invals), self.lane_mask())
+            rebind(eqn, force(invals), self.lane_mask())  # not ours: an enclosing one's
             return
         if self._silent:  # the interval skips this event
             return
@@ -269,7 +268,7 @@ class _TapInterpreter(Interpreter):
         keys = [k for k in items if k in self._reductions and self._group[k] in states]
         # keys a custom derivative rule logs but its primal does not: as in spool
         passed = [k for k in items if k not in keys and not self._dropped(k)]
-        if passed and _compat.logging_enabled.value:
+        if passed:
             rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
         if not keys:
             return

@@ -766,7 +766,7 @@ def wait_for_writer(logger, box=None):
     jax.effects_barrier()
     if box is not None:
         box.gate.set()
-    logger._writer._queue.join()
+    logger._writer._wait()
 
 
 @pytest.mark.parametrize("surface", ["spool", "tap", "write", "flush", "close"])

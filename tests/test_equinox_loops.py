@@ -47,18 +47,21 @@ def _assert_lanes(f, xs, reduce, rtol=1e-5):
     few ulps, hence `rtol` for it.)"""
     solo_out, solo = _solo(f, xs, reduce=reduce)
     outer_out, outer = jax.vmap(el.spool(f, reduce=reduce))(xs)
+    # traced unbatched first, then batched (the lane values are then batched apart later)
+    staged_out, staged = jax.vmap(jax.jit(el.spool(f, reduce=reduce)))(xs)
     inner_out, inner = el.spool(jax.vmap(f), reduce=reduce)(xs)
     event_axis = isinstance(reduce, el.Stack)
     for i, logs in enumerate(solo):
-        np.testing.assert_allclose(outer_out[i], solo_out[i], rtol=rtol, atol=1e-6)
-        np.testing.assert_allclose(inner_out[i], solo_out[i], rtol=rtol, atol=1e-6)
-        assert sorted(outer) == sorted(inner) == sorted(logs)
+        for out in (outer_out, staged_out, inner_out):
+            np.testing.assert_allclose(out[i], solo_out[i], rtol=rtol, atol=1e-6)
+        assert sorted(outer) == sorted(staged) == sorted(inner) == sorted(logs)
         for key in logs:
             want = np.asarray(logs[key])
             lane_inner = inner[key][:, i] if event_axis else inner[key][i]
-            np.testing.assert_allclose(outer[key][i], want, rtol=rtol, equal_nan=True)
-            np.testing.assert_allclose(lane_inner, want, rtol=rtol, equal_nan=True)
-            assert outer.count[key][i] == inner.count[key][i] == logs.count[key], key
+            for lane in (outer[key][i], staged[key][i], lane_inner):
+                np.testing.assert_allclose(lane, want, rtol=rtol, equal_nan=True)
+            counts = [outer.count[key][i], staged.count[key][i], inner.count[key][i]]
+            assert counts == [logs.count[key]] * 3, key
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -203,3 +206,87 @@ def test_optimistix_vmap():
     assert solo[0]["y"] != solo[1]["y"]
     _assert_lanes(root, as_, "count")
     _assert_lanes(root, as_, el.Stack(capacity=16))
+
+
+def _stiff(k, hook):
+    """An implicit solve: diffrax's Kvaerno5 calls optimistix's Newton, which solves with
+    lineax, all in Equinox's loops."""
+
+    def vector_field(t, y, args):
+        hook(y)
+        return -k * y + jnp.sin(t)
+
+    sol = diffrax.diffeqsolve(
+        diffrax.ODETerm(vector_field),
+        diffrax.Kvaerno5(),
+        t0=0.0,
+        t1=1.0,
+        dt0=0.1,
+        y0=jnp.ones(3),
+        stepsize_controller=diffrax.PIDController(rtol=1e-4, atol=1e-6),
+    )
+    return sol.ys[-1]
+
+
+def test_diffrax_implicit_solver_counts():
+    # the reference: how often the vector field really runs, counted by a host callback
+    ks = jnp.array([2.0, 40.0])
+    runs = []
+    for k in ks:
+        n = [0]
+        hook = lambda y, n=n: jax.debug.callback(lambda: n.__setitem__(0, n[0] + 1))  # noqa: E731
+        jax.block_until_ready(jax.jit(lambda k, hook=hook: _stiff(k, hook))(k))
+        jax.effects_barrier()
+        runs.append(n[0])
+    assert runs[0] != runs[1]
+
+    def f(k):
+        return _stiff(k, lambda y: el.log("y", jnp.mean(y)))
+
+    for k, n in zip(ks, runs):
+        out, logs = jax.jit(el.spool(f, reduce="count"))(k)
+        assert int(logs["y"]) == n
+        np.testing.assert_allclose(out, jax.jit(f)(k), rtol=1e-6)
+    _, outer = jax.vmap(el.spool(f, reduce="count"))(ks)
+    _, inner = el.spool(jax.vmap(f), reduce="count")(ks)
+    # a batched solve may take a step more or less than the solo one (see test_diffrax_vmap)
+    np.testing.assert_array_equal(outer["y"], inner["y"])
+    assert outer["y"][0] != outer["y"][1]
+    np.testing.assert_allclose(outer["y"], runs, rtol=0.2)
+
+
+def test_grad_of_spooled_solve_has_no_log_left():
+    # diffrax's backward pass re-runs the vector field from a jaxpr Equinox captured under the
+    # spool. With no spool around the grad, those logs are dropped when bound, so the program
+    # has no effect (an effectful program would dispatch on JAX's slow path).
+    def loss(k):
+        (y, _, _), logs = el.spool(_solve, reduce="mean")(k)
+        return y + 0.0 * logs["t"]
+
+    k = jnp.float32(1.0)
+    assert jax.make_jaxpr(jax.grad(loss))(k).effects == set()
+    want = jax.grad(lambda k: _solve(k)[0])(k)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(k), want, rtol=1e-5)
+
+
+def test_backward_pass_events_reach_an_enclosing_spool():
+    # the backward pass re-runs the vector field: under an enclosing spool those evaluations
+    # are its events; with the forward's (the inner spool's), as many as the vector field
+    # runs, counted by a host callback
+    runs = [0]
+
+    def count(y):
+        el.log("y", jnp.mean(y))
+        jax.debug.callback(lambda: runs.__setitem__(0, runs[0] + 1))
+
+    def loss(k):
+        y, logs = el.spool(lambda k: _stiff(k, count), reduce="count")(k)
+        return jnp.sum(y), logs
+
+    k = jnp.float32(3.0)
+    want = jax.grad(lambda k: jnp.sum(_stiff(k, lambda y: None)))(k)
+    (grad, forward), backward = el.spool(jax.grad(loss, has_aux=True), reduce="count")(k)
+    jax.effects_barrier()
+    np.testing.assert_allclose(grad, want, rtol=1e-5)
+    assert 0 < int(forward["y"]) < runs[0]
+    assert int(forward["y"]) + int(backward["y"]) == runs[0]

@@ -301,7 +301,8 @@ class AbstractLogger(eqx.Module):
         if writer.finish is None:
             writer.name = type(self).__name__
             writer.finish = self._finish
-        writer.submit(self._write_run, (run, rows))
+        size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
+        writer.submit(self._write_run, (run, rows), size)
 
     def _write_run(self, item: tuple[int, list[Record]]) -> None:
         run, rows = item

@@ -1,6 +1,7 @@
 import json
 import os
 import time
+import warnings
 from typing import IO
 
 import equinox as eqx
@@ -27,6 +28,7 @@ class JsonlLogger(AbstractLogger):
 
     def _open(self, run: int) -> tuple[IO[str], list[float]]:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        _drop_torn_line(self.path)
         return open(self.path, "a"), [time.monotonic()]
 
     def _write(self, handle: tuple[IO[str], list[float]], run: int, records: list[Record]):
@@ -44,16 +46,59 @@ class JsonlLogger(AbstractLogger):
         file.close()
 
 
+def _drop_torn_line(path: str) -> None:
+    """A record is written whole, newline last: a last line without one was cut short (a
+    crash, a full disk) and never held a record. Remove it before appending, so that the next
+    record starts a line of its own."""
+    try:
+        file = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with file:
+        end = start = file.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        while start > 0:
+            size = min(_CHUNK, start)
+            file.seek(start - size)
+            chunk = file.read(size)
+            if start == end and chunk.endswith(b"\n"):
+                return  # the last line is whole
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                start = start - size + cut + 1
+                break
+            start -= size
+        file.truncate(start)
+    warnings.warn(
+        f"{path}: removed a last line cut short by an earlier crash or full disk "
+        f"({end - start} bytes, no complete record) before appending.",
+        stacklevel=2,
+    )
+
+
+_CHUNK = 1 << 16
+
+
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The records of a JsonlLogger file (non-finite floats come back as 'nan'/'inf' strings).
-    A last line cut short by a crash is skipped."""
+    A last line cut short by a crash is skipped; any other line that is not a record raises
+    `ValueError` naming the file and the line."""
     out = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    if line.endswith("\n"):
-                        raise
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if not line.endswith("\n"):
+                    continue  # cut short by a crash: the record was never written
+                raise ValueError(f"{os.fspath(path)}, line {number}: not JSON ({e.msg}).") from None
+            if not isinstance(record, dict) or not {"run", "key", "value"} <= record.keys():
+                raise ValueError(
+                    f"{os.fspath(path)}, line {number}: not a JsonlLogger record (an object "
+                    f"with 'run', 'key' and 'value'): {line.strip()[:80]!r}."
+                )
+            out.append(record)
     return out

@@ -1,14 +1,16 @@
 """The background writer: one thread per logger, writing in submission order."""
 
 import atexit
-import queue
+import collections
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-_STOP = object()
 _live: "weakref.WeakSet[Writer]" = weakref.WeakSet()
+
+# What may wait in a writer's queue before producers wait for it (back-pressure).
+MAX_PENDING_BYTES = 256 * 2**20
 
 
 class WriterError(RuntimeError):
@@ -19,20 +21,29 @@ class WriterError(RuntimeError):
 class Writer:
     """Runs `write(item)` for every submitted item on one daemon thread, in order.
 
-    An exception in `write` is kept and raised (as the cause of a `WriterError`) by the next
-    `check`, `submit`, `flush` or `close`; later items are counted and skipped rather than
-    written, so nothing is dropped silently. `flush` waits until everything submitted is
-    written; `close` also runs `finish` on the thread and stops it. A process that exits
-    normally closes every live writer first (`atexit`).
+    - An exception in `write` is kept and raised (as the cause of a `WriterError`) by the next
+      `check`, `submit`, `flush` or `close`; later items are counted and skipped rather than
+      written, so nothing is dropped silently.
+    - The queue is bounded by size: `submit` waits while the items not yet written hold more
+      than `max_pending_bytes` (training waits for a slow backend; nothing is dropped).
+    - `flush` waits until everything submitted before it is written; `close` also runs
+      `finish` on the thread (closing files and runs). Both are safe to call from any thread,
+      while other threads submit. A process that exits normally closes every live writer
+      first (`atexit`).
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, max_pending_bytes: int = MAX_PENDING_BYTES):
         self.name = name
+        self.max_pending_bytes = max_pending_bytes
         self.finish: Callable[[], None] | None = None  # set by the owner: closes its runs
         self.handles: dict[int, Any] = {}  # per-run backend state, used on the thread only
-        self._queue: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()  # guards everything below
+        self._items: collections.deque = collections.deque()
+        self._pending_bytes = 0
+        self._submitted = 0  # items ever queued; the thread has finished the first `_done`
+        self._done = 0
+        self._thread: threading.Thread | None = None  # one at a time, set under the lock
+        self._closed = False  # the thread exits once idle
         self._error: BaseException | None = None
         self._skipped = 0
         _live.add(self)
@@ -40,59 +51,95 @@ class Writer:
     def __repr__(self) -> str:
         return f"Writer({self.name!r})"
 
-    def submit(self, write: Callable[[Any], None], item: Any) -> None:
-        """Queue `write(item)`. Safe to call from any thread (JAX runs host callbacks on its
-        own threads)."""
-        with self._lock:
-            if self._error is not None:
+    def submit(self, write: Callable[[Any], None], item: Any, size: int = 0) -> None:
+        """Queue `write(item)`; `size` is roughly how many bytes `item` holds. Safe to call
+        from any thread (JAX runs host callbacks on its own threads)."""
+        self._put(write, item, size, always=False)
+
+    def _put(self, write, item, size: int, *, always: bool) -> None:
+        with self._changed:
+            if self._error is not None and not always:
                 self._skipped += 1
                 return
-            if self._thread is None or not self._thread.is_alive():
+            # back-pressure; an item larger than the bound still goes, alone
+            self._changed.wait_for(
+                lambda: (
+                    not self._pending_bytes or self._pending_bytes + size <= self.max_pending_bytes
+                )
+            )
+            if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._loop, name=f"eqx_logs-{self.name}", daemon=True
                 )
                 self._thread.start()
-        self._queue.put((write, item, False))
+            self._closed = False
+            self._items.append((write, item, size, always))
+            self._pending_bytes += size
+            self._submitted += 1
+            self._changed.notify_all()
 
     def _loop(self) -> None:
         while True:
-            write, item, always = self._queue.get()
-            try:
-                if write is _STOP:
+            with self._changed:
+                self._changed.wait_for(lambda: self._items or self._closed)
+                if not self._items:  # closed and idle: a later submit starts a new thread
+                    self._thread = None
                     return
+                write, item, size, always = self._items.popleft()
+            try:
                 if self._error is None or always:  # closing runs even after an error
                     write(item)
                 else:
-                    self._skipped += 1
+                    with self._changed:
+                        self._skipped += 1
             except BaseException as e:  # kept for the caller; nothing is swallowed
-                if self._error is None:
-                    self._error = e
+                with self._changed:
+                    if self._error is None:
+                        self._error = e
             finally:
-                self._queue.task_done()
+                with self._changed:
+                    self._pending_bytes -= size
+                    self._done += 1
+                    self._changed.notify_all()
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes submitted and not yet written."""
+        return self._pending_bytes
 
     def check(self) -> None:
         """Raise the writer's error, if its thread has hit one."""
-        if self._error is not None:
+        with self._changed:
             error, skipped = self._error, self._skipped
+            if error is None:
+                return
             self._error, self._skipped = None, 0
-            raise WriterError(
-                f"{self.name} failed while writing: {error!r}. {skipped} later write(s) were "
-                "skipped. The logger keeps working for new calls."
-            ) from error
+        raise WriterError(
+            f"{self.name} failed while writing: {error!r}. {skipped} later write(s) were "
+            "skipped. The logger keeps working for new calls."
+        ) from error
+
+    def _wait(self) -> None:
+        """Wait until everything submitted so far is written."""
+        with self._changed:
+            target = self._submitted
+            self._changed.wait_for(lambda: self._done >= target)
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written, then `check`."""
-        self._queue.join()
+        self._wait()
         self.check()
 
     def close(self) -> None:
-        """Flush, run `finish()` on the writer thread (closing files and runs), stop it."""
-        if self._thread is not None and self._thread.is_alive():
-            if self.finish is not None:
-                self._queue.put((lambda _: self.finish(), None, True))
-            self._queue.put((_STOP, None, True))
-            self._thread.join()
-        self._thread = None
+        """Flush, run `finish()` on the writer thread (closing files and runs), `check`.
+        Writes submitted later reopen what they need."""
+        if self._thread is not None and self.finish is not None:
+            finish = self.finish
+            self._put(lambda _: finish(), None, 0, always=True)
+        self._wait()
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         self.check()
 
 
