@@ -7,7 +7,11 @@ import resource
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -96,3 +100,70 @@ def test_reserved_step_names_are_rejected_at_the_call_site(name):
 
     with pytest.raises(ValueError, match=rf"step name '{name}' at .*test_faults\.py.*reserved"):
         eqx_logs.spool(f)(np.float32(0.25))
+
+
+# -- the writer: close() racing host callbacks, and back-pressure -------------------------------
+
+
+class RaceLogger(JsonlLogger):
+    """A JsonlLogger whose writer thread has a name of its own (`eqx_logs-RaceLogger`)."""
+
+
+def _writer_threads(name: str) -> int:
+    return sum(t.name == f"eqx_logs-{name}" for t in threading.enumerate())
+
+
+def test_close_racing_host_callbacks(tmp_path):
+    path = tmp_path / "l.jsonl"
+    logger = RaceLogger(path)
+    state = logger.init()
+
+    def f(x):
+        eqx_logs.log("x", x, step=jnp.int32(x))
+        return x
+
+    step = jax.jit(logger.tap(f, state))
+    n, threads = 300, []
+    done = threading.Event()
+
+    def produce():
+        for i in range(n):
+            step(jnp.float32(i))
+        jax.effects_barrier()
+        done.set()
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    while not done.is_set():  # close again and again while callbacks submit
+        logger.close()
+        threads.append(_writer_threads("RaceLogger"))
+    producer.join(timeout=120)
+    assert not producer.is_alive()
+    logger.close()
+    assert max(threads) <= 1  # never two writer threads for one logger
+    rows = read_jsonl(path)
+    assert sorted(r["step"] for r in rows) == list(range(n))  # each event exactly once
+    assert [r["value"] for r in rows] == [float(r["step"]) for r in rows]
+
+
+class SlowLogger(JsonlLogger):
+    """A backend slower than its producer."""
+
+    def _write(self, handle, run, records):
+        time.sleep(0.002)
+        super()._write(handle, run, records)
+
+
+def test_a_slow_backend_applies_back_pressure(tmp_path):
+    logger = SlowLogger(tmp_path / "l.jsonl")
+    logger._writer.max_pending_bytes = bound = 64 * 2**10
+    item = np.zeros(1000, np.float32)  # 4000 bytes per write
+    pending = []
+    for i in range(200):
+        logger.write(eqx_logs.LogDict({"a": item + i}, count={"a": np.int32(1)}))
+        pending.append(logger._writer.pending_bytes)
+    logger.close()
+    assert max(pending) <= bound  # the producer waited instead of queueing more
+    assert max(pending) > bound // 2  # and the queue was used
+    rows = read_jsonl(tmp_path / "l.jsonl")
+    assert [r["value"][0] for r in rows] == [float(i) for i in range(200)]  # nothing dropped
