@@ -4,6 +4,7 @@ a logger writes. Every reference is computed here from what the child was asked 
 
 import json
 import resource
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 import eqx_logs
-from eqx_logs.loggers import JsonlLogger, read_jsonl
+from eqx_logs.loggers import JsonlLogger, TensorBoardLogger, read_jsonl
 
 _CHILD = textwrap.dedent(
     """
@@ -167,3 +168,87 @@ def test_a_slow_backend_applies_back_pressure(tmp_path):
     assert max(pending) > bound // 2  # and the queue was used
     rows = read_jsonl(tmp_path / "l.jsonl")
     assert [r["value"][0] for r in rows] == [float(i) for i in range(200)]  # nothing dropped
+
+
+# -- TensorBoard: flushed means on disk, a full disk fails loudly, files never overwritten ------
+
+
+def _read_tensorboard(rundir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(rundir), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+
+
+_TB_CHILD = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import eqx_logs
+    from eqx_logs.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(sys.argv[1])
+    n = int(sys.argv[2])
+    for i in range(n):
+        logger.write(eqx_logs.LogDict({"x": np.float32(i)}, count={"x": np.int32(1)},
+                                      steps={"step": {"x": np.int32(i)}}))
+    logger.flush()
+    print("flushed", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_tensorboard_flushed_events_survive_a_kill(tmp_path):
+    n = 200
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TB_CHILD, str(tmp_path), str(n)], stdout=subprocess.PIPE
+    )
+    try:
+        assert child.stdout.readline() == b"flushed\n"
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+    finally:
+        child.kill()
+    assert _read_tensorboard(tmp_path / "run_0") == {"x": [(i, float(i)) for i in range(n)]}
+
+
+def test_tensorboard_full_disk_fails_loudly(tmp_path):
+    # the writes stop at the file-size limit: the child's flush raises instead of hanging
+    child = subprocess.run(
+        [sys.executable, "-c", _TB_CHILD, str(tmp_path), "5000"],
+        preexec_fn=_limited(20_000),
+        capture_output=True,
+        timeout=120,
+    )
+    assert child.returncode == 1, child.stderr[-2000:]
+    assert b"WriterError" in child.stderr and b"File too large" in child.stderr
+    got = _read_tensorboard(tmp_path / "run_0")["x"]  # what fitted reads back, in order
+    assert 0 < len(got) < 5000 and got == [(i, float(i)) for i in range(len(got))]
+
+
+def test_tensorboard_reopening_keeps_every_file(tmp_path):
+    def write(logger, i):
+        logs = eqx_logs.LogDict({"x": np.float32(i)}, count={"x": np.int32(1)})
+        logger.write(logs, logger.init())
+
+    logger = TensorBoardLogger(tmp_path)
+    write(logger, 0)
+    logger.close()
+    write(logger, 1)  # reopened within the same second
+    logger.close()
+    with TensorBoardLogger(tmp_path) as other:  # another logger on the same logdir
+        write(other, 2)
+    got = sorted(v for _, v in _read_tensorboard(tmp_path / "run_0")["x"])
+    assert got == [0.0, 1.0, 2.0]
+
+
+def test_tensorboard_keys_stay_distinct(tmp_path):
+    keys = ["a:b", "a_b", "x y", "x_y", "v/nonfinite"]
+    values = {k: np.float32(i) for i, k in enumerate(keys)}
+    values["v"] = np.array([1.0, np.nan, np.inf], np.float32)
+    with TensorBoardLogger(tmp_path) as logger:
+        logger.write(eqx_logs.LogDict(values, count={k: np.int32(1) for k in values}))
+    assert _read_tensorboard(tmp_path / "run_0") == {k: [(0, float(i))] for i, k in enumerate(keys)}
+    assert _read_tensorboard(tmp_path / "run_0" / "nonfinite") == {"v": [(0, 2.0)]}

@@ -1,5 +1,10 @@
+import functools
 import os
-from typing import Any
+import socket
+import struct
+import time
+import uuid
+from typing import IO, Any
 
 import equinox as eqx
 import numpy as np
@@ -7,32 +12,101 @@ import numpy as np
 from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, require
 
 
+@functools.cache
+def _tensorflow_bins() -> list[float]:
+    """TensorFlow's default histogram bucket edges (as `SummaryWriter.add_histogram` uses):
+    +-1e-12 growing by 10% up to 1e20, and 0."""
+    edges = 1e-12 * 1.1 ** np.arange(int(np.ceil(np.log(1e32) / np.log(1.1))))
+    return [*(-edges[::-1]).tolist(), 0.0, *edges.tolist()]
+
+
+class _EventFile:
+    """One TensorBoard event file, written synchronously: TFRecord framing of `Event` protos.
+
+    tensorboardX's own `SummaryWriter` queues events for a thread of its own (its `flush` does
+    not wait for it, and a failing write kills that thread and blocks the next `put`), and
+    names its file by the second, so a second writer within the same second truncates the
+    first's file. Here the logger's writer thread writes each record itself, into a file of
+    its own (opened exclusively), and errors surface as the logger's `WriterError`."""
+
+    def __init__(self, directory: str, fsync_every: float):
+        tbx = require("tensorboardX", "tensorboard", "TensorBoardLogger")
+        from tensorboardX.proto import event_pb2, summary_pb2
+        from tensorboardX.record_writer import masked_crc32c
+
+        self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
+        self._histogram = tbx.summary.histogram
+        os.makedirs(directory, exist_ok=True)
+        name = (
+            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
+            f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        )
+        self.file: IO[bytes] = open(os.path.join(directory, name), "xb")
+        self.fsync_every, self.synced = fsync_every, time.monotonic()
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event: Any) -> None:
+        data = event.SerializeToString()
+        header = struct.pack("<Q", len(data))
+        checks = [struct.pack("<I", self._crc(x)) for x in (header, data)]
+        self.file.write(header + checks[0] + data + checks[1])  # TFRecord framing
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)])
+        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def histogram(self, tag: str, values: np.ndarray, step: int) -> None:
+        summary = self._histogram(tag, values, _tensorflow_bins())
+        summary.value[0].tag = tag  # as the key is: tensorboardX would rewrite some characters
+        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self.file.flush()
+        if time.monotonic() - self.synced >= self.fsync_every:
+            os.fsync(self.file.fileno())
+            self.synced = time.monotonic()
+
+    def close(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        self.file.close()
+
+
 class TensorBoardLogger(AbstractLogger):
-    """TensorBoard event files (via tensorboardX, `pip install 'eqx_logs[tensorboard]'`), one
-    run directory per run, `logdir/run_<run>`: scalars with `add_scalar`, and arrays with
-    `add_histogram` (of their finite entries; the count of non-finite entries is logged as the
-    scalar `<key>/nonfinite` when there are any). Pytree values are logged per leaf as
+    """TensorBoard event files (`pip install 'eqx_logs[tensorboard]'`, which brings
+    tensorboardX for the protos), one run directory per run, `logdir/run_<run>`: scalars, and
+    arrays as histograms of their finite entries. The count of non-finite entries of an array,
+    where there are any, goes to the run `run_<run>/nonfinite` under the key's own tag, so it
+    never meets a user's key. Tags are the keys exactly; pytree values are logged per leaf as
     `<key>/<path>`. The global step is the event's `step` if it was logged with one, else a
-    per-key counter. Flushed after every write.
+    per-key counter.
+
+    Every write is flushed to the operating system (a crash of the process loses only events
+    not yet written); the files are fsynced at most every `fsync_every` seconds and on close.
+    Each opening of a run writes a new event file, so closing and reopening, or two loggers on
+    one logdir, never overwrite one another. A failed write (a full disk) is raised as the
+    logger's `WriterError`.
 
     **Arguments:**
 
     - `logdir`: the directory (`tensorboard --logdir` it).
     - `step`: the step name to use as the global step.
+    - `fsync_every`: seconds between fsyncs (0: after every write).
     """
 
     logdir: str = eqx.field(converter=os.fspath)
     step: str = "step"
+    fsync_every: float = 1.0
 
     def __check_init__(self):
         require("tensorboardX", "tensorboard", "TensorBoardLogger")
 
-    def _open(self, run: int) -> tuple[Any, dict[str, int]]:
-        tbx = require("tensorboardX", "tensorboard", "TensorBoardLogger")
-        return tbx.SummaryWriter(os.path.join(self.logdir, f"run_{run}")), {}
+    def _open(self, run: int) -> tuple[_EventFile, dict[str, _EventFile], dict[str, int]]:
+        rundir = os.path.join(self.logdir, f"run_{run}")
+        return _EventFile(rundir, self.fsync_every), {}, {}
 
-    def _write(self, handle: tuple[Any, dict[str, int]], run: int, records: list[Record]) -> None:
-        writer, counters = handle
+    def _write(self, handle, run: int, records: list[Record]) -> None:
+        events, side, counters = handle
         for r in records:
             for tag, value in flat_items(r["key"], r["value"]):
                 if self.step in r:
@@ -41,16 +115,20 @@ class TensorBoardLogger(AbstractLogger):
                     step = counters.get(tag, 0)
                 counters[tag] = step + 1
                 if is_scalar(value):
-                    writer.add_scalar(tag, float(value.reshape(())), global_step=step)
+                    events.scalar(tag, float(value.reshape(())), step)
                     continue
                 entries = finite(value)
                 if entries.size:
-                    writer.add_histogram(tag, entries.astype(np.float64), global_step=step)
+                    events.histogram(tag, entries.astype(np.float64), step)
                 if entries.size != value.size:
-                    writer.add_scalar(
-                        f"{tag}/nonfinite", value.size - entries.size, global_step=step
-                    )
-        writer.flush()
+                    if not side:
+                        rundir = os.path.join(self.logdir, f"run_{run}", "nonfinite")
+                        side["nonfinite"] = _EventFile(rundir, self.fsync_every)
+                    side["nonfinite"].scalar(tag, value.size - entries.size, step)
+        for file in [events, *side.values()]:
+            file.flush()
 
-    def _close(self, handle: tuple[Any, dict[str, int]]) -> None:
-        handle[0].close()
+    def _close(self, handle) -> None:
+        events, side, _ = handle
+        for file in [events, *side.values()]:
+            file.close()
