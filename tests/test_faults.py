@@ -3,6 +3,7 @@ record (a real partial write, as on a full disk), and readers given files that a
 a logger writes. Every reference is computed here from what the child was asked to write."""
 
 import json
+import os
 import resource
 import signal
 import subprocess
@@ -17,7 +18,16 @@ import numpy as np
 import pytest
 
 import eqx_logs
-from eqx_logs.loggers import JsonlLogger, TensorBoardLogger, read_jsonl
+from eqx_logs.loggers import (
+    ArrayLogger,
+    JsonlLogger,
+    MLflowLogger,
+    TensorBoardLogger,
+    read_arrays,
+    read_jsonl,
+)
+from eqx_logs.loggers._base import unique_name
+from eqx_logs.loggers._mlflow import metric_name
 
 _CHILD = textwrap.dedent(
     """
@@ -252,3 +262,54 @@ def test_tensorboard_keys_stay_distinct(tmp_path):
         logger.write(eqx_logs.LogDict(values, count={k: np.int32(1) for k in values}))
     assert _read_tensorboard(tmp_path / "run_0") == {k: [(0, float(i))] for i, k in enumerate(keys)}
     assert _read_tensorboard(tmp_path / "run_0" / "nonfinite") == {"v": [(0, 2.0)]}
+
+
+# -- keys: every key storable, distinct keys distinct, in every backend -------------------------
+
+HOSTILE = [
+    "a/b",
+    "a__b",
+    unique_name("a/b"),  # another key's file name
+    "x" * 300,
+    "y" * 300 + "1",
+    "y" * 300 + "2",
+    "..a",
+    "a/../b",
+    "./a",
+    "/a",
+    "a/",
+    "a//b",
+    ".",
+    "a:b",
+    "a_b",
+    metric_name("a:b"),
+]
+
+
+def _hostile_logs() -> eqx_logs.LogDict:
+    values = {k: np.float32(i) for i, k in enumerate(HOSTILE)}
+    return eqx_logs.LogDict(values, count={k: np.int32(1) for k in values})
+
+
+def test_array_logger_stores_every_key_apart(tmp_path):
+    with ArrayLogger(tmp_path) as logger:
+        logger.write(_hostile_logs())
+    got = read_arrays(tmp_path)
+    assert {k: [float(e["value"]) for e in got[k]] for k in got} == {
+        k: [float(i)] for i, k in enumerate(HOSTILE)
+    }
+    assert len(os.listdir(tmp_path / "run_0")) == len(HOSTILE)
+
+
+def test_mlflow_stores_every_key_apart(tmp_path, monkeypatch):
+    import mlflow
+
+    monkeypatch.chdir(tmp_path)
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    with MLflowLogger(uri, experiment="keys", artifact_location=tmp_path.as_uri()) as logger:
+        logger.write(_hostile_logs())
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("keys").experiment_id])
+    names = [metric_name(k) for k in HOSTILE]
+    assert len(set(names)) == len(HOSTILE)
+    assert run.data.metrics == {n: float(i) for i, n in enumerate(names)}

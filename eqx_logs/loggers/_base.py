@@ -66,13 +66,23 @@ def safe_name(key: str) -> str:
     return "__".join(parts) or "_"
 
 
+_HASHED = re.compile(r"-[0-9a-f]{8}$")
+
+
+def distinct_name(name: str, key: str, limit: int) -> str:
+    """`name` (what a backend can store for `key`) made distinct for distinct keys: `key`
+    itself where `name` is `key`, fits in `limit` characters and cannot be mistaken for a
+    hashed name; otherwise `name`, cut to `limit - 9` characters, plus `-` and a short hash
+    of `key`."""
+    if name == key and len(key) <= limit and not _HASHED.search(key):
+        return key
+    return f"{name[: limit - 9]}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+
+
 def unique_name(key: str) -> str:
-    """`safe_name(key)`, plus a short hash of `key` when that changed it, so that two keys
-    never share a file name (`a/b` and `a__b`)."""
-    name = safe_name(key)
-    if name == key:
-        return name
-    return f"{name}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
+    """`safe_name(key)` as a file name distinct for every key (`distinct_name`): `a/b`,
+    `a__b` and `a__b-3ec69c85` get three names, and long keys fit a file name."""
+    return distinct_name(safe_name(key), key, 120)
 
 
 def to_python(x: Any) -> Any:

@@ -1,4 +1,3 @@
-import hashlib
 import os
 import re
 import tempfile
@@ -7,20 +6,27 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, is_scalar, require, unique_name
+from ._base import (
+    AbstractLogger,
+    Record,
+    distinct_name,
+    flat_items,
+    is_scalar,
+    require,
+    unique_name,
+)
 
 _BAD = re.compile(r"[^\w./\- ]+")
+_LEADING_DOTS = re.compile(r"^\.+")
 
 
 def metric_name(tag: str) -> str:
-    """`tag` as a name MLflow accepts: characters it rejects become `_`, and so do empty, `.`
-    and `..` path parts; a short hash of `tag` is added when anything changed, so that two
-    keys never share a name."""
+    """`tag` as a name MLflow accepts (it treats names as paths): characters it rejects
+    become `_`, and so do empty path parts and the leading dots of a part; made distinct for
+    distinct tags, within MLflow's 250 characters, by `distinct_name`."""
     parts = [_BAD.sub("_", p) for p in tag.split("/")]
-    name = "/".join(p if p.strip(".") else "_" for p in parts)
-    if name == tag and len(name) <= 200:
-        return name
-    return f"{name[:200]}-{hashlib.sha1(tag.encode()).hexdigest()[:8]}"
+    name = "/".join(_LEADING_DOTS.sub("_", p) or "_" for p in parts)
+    return distinct_name(name, tag, 250)
 
 
 class MLflowLogger(AbstractLogger):
