@@ -313,3 +313,53 @@ def test_mlflow_stores_every_key_apart(tmp_path, monkeypatch):
     names = [metric_name(k) for k in HOSTILE]
     assert len(set(names)) == len(HOSTILE)
     assert run.data.metrics == {n: float(i) for i, n in enumerate(names)}
+
+
+# -- values a backend cannot store: named, and the other keys written ---------------------------
+
+
+def _mixed_logs() -> eqx_logs.LogDict:
+    values = {
+        "z": np.complex64(1 + 2j),
+        "zs": np.array([1 + 2j, 3 - 4j], np.complex64),
+        "tree": {("a", "b"): np.float32(1.0), ("c",): np.float32(2.0)},
+        "ok": np.float32(5.0),
+    }
+    return eqx_logs.LogDict(values, count={k: np.int32(1) for k in values})
+
+
+def test_jsonl_writes_complex_values_and_any_dict_keys(tmp_path):
+    with JsonlLogger(tmp_path / "l.jsonl") as logger:
+        logger.write(_mixed_logs())
+    got = {r["key"]: r["value"] for r in read_jsonl(tmp_path / "l.jsonl")}
+    assert got == {
+        "z": [1.0, 2.0],
+        "zs": [[1.0, 2.0], [3.0, -4.0]],
+        "tree": {"('a', 'b')": 1.0, "('c',)": 2.0},
+        "ok": 5.0,
+    }
+
+
+def test_tensorboard_names_the_key_it_cannot_store(tmp_path):
+    logger = TensorBoardLogger(tmp_path)
+    with pytest.raises(
+        ValueError,
+        match=r"TensorBoardLogger cannot store key 'z': complex.*"
+        r"key 'zs': complex.*other keys of this write were written",
+    ):
+        logger.write(_mixed_logs())
+    logger.close()
+    got = _read_tensorboard(tmp_path / "run_0")
+    assert got == {"tree/('a', 'b')": [(0, 1.0)], "tree/('c',)": [(0, 2.0)], "ok": [(0, 5.0)]}
+
+
+def test_narrow_integers_read_back_as_numbers(tmp_path):
+    import ml_dtypes
+
+    x = np.array([-8, -1, 0, 7], ml_dtypes.int4)
+    logs = eqx_logs.LogDict({"q": x}, count={"q": np.int32(1)})
+    with ArrayLogger(tmp_path) as logger:
+        logger.write(logs)
+    (event,) = read_arrays(tmp_path)["q"]
+    assert event["value"].dtype == np.int8
+    np.testing.assert_array_equal(event["value"], [-8, -1, 0, 7])

@@ -88,23 +88,28 @@ def unique_name(key: str) -> str:
 def to_python(x: Any) -> Any:
     """JSON-friendly: numpy scalars and arrays to Python numbers and lists; NaN and infinities
     become the strings `"nan"`, `"inf"`, `"-inf"`."""
-    if isinstance(x, dict):
-        return {k: to_python(v) for k, v in x.items()}
+    if isinstance(x, dict):  # a pytree value: JSON keys are strings
+        return {k if isinstance(k, str) else str(k): to_python(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
         return [to_python(v) for v in x]
-    arr = np.asarray(x)
+    arr = host_array(x)
     if arr.ndim == 0:
         item = arr.item()
+        if isinstance(item, complex):
+            return [to_python(item.real), to_python(item.imag)]
         return item if not isinstance(item, float) or math.isfinite(item) else str(item)
     return [to_python(v) for v in arr]
 
 
 def host_array(x: Any) -> np.ndarray:
     """`x` as a numpy array that plain numpy (and every backend) understands: float types
-    numpy lacks (bfloat16, float8, ...) become float32, which holds them exactly."""
+    numpy lacks (bfloat16, float8, ...) become float32, and narrow integer types (int4,
+    uint2, ...) int8 or uint8, which hold them exactly."""
     x = np.asarray(x)
     if jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.floating):
         return x.astype(np.float32)
+    if jnp.issubdtype(x.dtype, jnp.integer) and not np.issubdtype(x.dtype, np.integer):
+        return x.astype(np.int8 if jnp.iinfo(x.dtype).min < 0 else np.uint8)
     return x
 
 
@@ -306,13 +311,31 @@ class AbstractLogger(eqx.Module):
         self._submit(int(state.run), rows)
         self._check()
 
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
+        None. Checked before writing: a key it rejects is named, and the others are written."""
+        del leaf
+        return None
+
     def _submit(self, run: int, rows: list[Record]) -> None:
         writer = self._writer
         if writer.finish is None:
             writer.name = type(self).__name__
             writer.finish = self._finish
+        rejected = {}
+        for r in rows:
+            for _, leaf in flat_items(r["key"], r["value"]):
+                if (why := self._unstorable(leaf)) is not None:
+                    rejected[r["key"]] = why
+        rows = [r for r in rows if r["key"] not in rejected]
         size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
         writer.submit(self._write_run, (run, rows), size)
+        if rejected:
+            raise ValueError(
+                f"{type(self).__name__} cannot store "
+                + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
+                + ". The other keys of this write were written."
+            )
 
     def _write_run(self, item: tuple[int, list[Record]]) -> None:
         run, rows = item

@@ -68,6 +68,11 @@ class MLflowLogger(AbstractLogger):
         mlflow_run = client.create_run(experiment_id, run_name=f"{self.run_name}-{run}")
         return client, mlflow_run.info.run_id, {}
 
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        if np.iscomplexobj(leaf) and is_scalar(leaf):  # arrays are .npy artifacts
+            return "complex scalars (log `jnp.real(x)` and `jnp.imag(x)` under keys of their own)"
+        return None
+
     def _write(self, handle: tuple[Any, str, dict[str, int]], run: int, rows: list[Record]):
         entities = require("mlflow.entities", "mlflow", "MLflowLogger")
         client, run_id, counters = handle

@@ -25,8 +25,7 @@ class MultiLogger(AbstractLogger):
         raise AssertionError("MultiLogger hands records to its loggers")
 
     def _submit(self, run: int, rows: list[Record]) -> None:
-        for logger in self.loggers:
-            logger._submit(run, rows)
+        self._each("_submit", run, rows)  # a key one logger rejects still reaches the others
 
     def _check(self) -> None:
         for logger in self.loggers:
@@ -38,11 +37,11 @@ class MultiLogger(AbstractLogger):
     def close(self) -> None:
         self._each("close")
 
-    def _each(self, method: str) -> None:
+    def _each(self, method: str, *args: Any) -> None:
         errors = []
         for logger in self.loggers:  # all of them, then raise the first error
             try:
-                getattr(logger, method)()
+                getattr(logger, method)(*args)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
         if errors:

@@ -101,6 +101,14 @@ class TensorBoardLogger(AbstractLogger):
     def __check_init__(self):
         require("tensorboardX", "tensorboard", "TensorBoardLogger")
 
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        if np.iscomplexobj(leaf):
+            return (
+                "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under "
+                "keys of their own)"
+            )
+        return None
+
     def _open(self, run: int) -> tuple[_EventFile, dict[str, _EventFile], dict[str, int]]:
         rundir = os.path.join(self.logdir, f"run_{run}")
         return _EventFile(rundir, self.fsync_every), {}, {}

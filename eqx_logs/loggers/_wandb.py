@@ -48,6 +48,14 @@ class WandbLogger(AbstractLogger):
         )
         return wandb_run, {"last": -1}
 
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        if np.iscomplexobj(leaf):
+            return (
+                "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under "
+                "keys of their own)"
+            )
+        return None
+
     def _write(self, handle: tuple[Any, dict[str, int]], run: int, records: list[Record]):
         wandb = require("wandb", "wandb", "WandbLogger")
         # W&B drops rows whose step is below its current one, so every row gets an explicit,
