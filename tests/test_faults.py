@@ -363,3 +363,37 @@ def test_narrow_integers_read_back_as_numbers(tmp_path):
     (event,) = read_arrays(tmp_path)["q"]
     assert event["value"].dtype == np.int8
     np.testing.assert_array_equal(event["value"], [-8, -1, 0, 7])
+
+
+# -- readers ---------------------------------------------------------------------------------
+
+
+def _one_event(tmp_path):
+    with ArrayLogger(tmp_path / "arr") as logger:
+        logger.write(eqx_logs.LogDict({"a": np.float32(1.0)}, count={"a": np.int32(1)}))
+    (folder,) = (tmp_path / "arr" / "run_0").iterdir()
+    return folder
+
+
+@pytest.mark.parametrize("where", ["file", "folder"])
+def test_read_arrays_refuses_symbolic_links(tmp_path, where):
+    folder = _one_event(tmp_path)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    np.savez(secret / "000000.npz", __key__=np.asarray("stolen"), value=np.float32(7.0))
+    if where == "file":
+        (folder / "000001.npz").symlink_to(secret / "000000.npz")
+    else:
+        (folder.parent / "b").symlink_to(secret)
+    with pytest.raises(ValueError, match="symbolic link.*secret"):
+        read_arrays(tmp_path / "arr")
+
+
+def test_read_arrays_names_a_bad_file(tmp_path):
+    folder = _one_event(tmp_path)
+    (folder / "000001.npz").write_bytes(b"garbage, not a zip")
+    with pytest.raises(ValueError, match=r"000001\.npz: not an ArrayLogger event"):
+        read_arrays(tmp_path / "arr")
+    np.savez(folder / "000001.npz", value=np.float32(2.0))  # a real .npz without a key
+    with pytest.raises(ValueError, match=r"000001\.npz: not an ArrayLogger event.*no key"):
+        read_arrays(tmp_path / "arr")

@@ -1,5 +1,6 @@
 import os
 import re
+import zipfile
 from typing import Any
 
 import equinox as eqx
@@ -53,16 +54,34 @@ class ArrayLogger(AbstractLogger):
 def read_arrays(path: str | os.PathLike, run: int = 0) -> dict[str, list[dict[str, Any]]]:
     """What an `ArrayLogger` wrote to run `run`: for each key, its events in order, each a dict
     with `"value"` (or `"value/<path>"` per leaf of a pytree value) and `"step/<name>"` arrays.
-    Files are loaded with `allow_pickle=False`."""
+    Files are loaded with `allow_pickle=False`. A symbolic link (which an `ArrayLogger` never
+    writes, and which could point outside the directory) or a file that is not an event raises
+    `ValueError` naming it."""
     root = os.path.join(os.fspath(path), f"run_{run}")
     out: dict[str, list[dict[str, Any]]] = {}
     for folder in sorted(os.listdir(root)):
+        _refuse_link(os.path.join(root, folder))
         files = sorted(
             (int(m[1]), f) for f in os.listdir(os.path.join(root, folder)) if (m := _FILE.match(f))
         )
         for _, name in files:
-            with np.load(os.path.join(root, folder, name), allow_pickle=False) as data:
-                event = {k: data[k] for k in data.files}
+            file = os.path.join(root, folder, name)
+            _refuse_link(file)
+            try:
+                with np.load(file, allow_pickle=False) as data:
+                    event = {k: data[k] for k in data.files}
+            except (OSError, ValueError, zipfile.BadZipFile) as e:
+                raise ValueError(f"{file}: not an ArrayLogger event ({e}).") from None
+            if "__key__" not in event:
+                raise ValueError(f"{file}: not an ArrayLogger event (it names no key).")
             key = str(event.pop("__key__"))
             out.setdefault(key, []).append(event)
     return out
+
+
+def _refuse_link(path: str) -> None:
+    if os.path.islink(path):
+        raise ValueError(
+            f"{path} is a symbolic link, to {os.readlink(path)!r}: an ArrayLogger never writes "
+            "one, so it is not read."
+        )
