@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+from ._checks import check_count
 from ._reductions import AbstractReduction, _select
 
 
@@ -18,10 +19,7 @@ class NeedsBound(Exception):
 
 
 def _check_capacity(name: str, capacity: Any) -> None:
-    if capacity is not None and (
-        isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1
-    ):
-        raise ValueError(f"{name}(capacity={capacity!r}): capacity must be an int >= 1.")
+    check_count(name, "capacity", capacity, optional=True)
 
 
 def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
@@ -48,12 +46,7 @@ class Stack(AbstractReduction):
     event_axes: ClassVar[int] = 1
 
     def __check_init__(self):
-        if self.capacity is not None and (
-            isinstance(self.capacity, bool)
-            or not isinstance(self.capacity, int)
-            or self.capacity < 1
-        ):
-            raise ValueError(f"Stack(capacity={self.capacity!r}): capacity must be an int >= 1.")
+        _check_capacity("Stack", self.capacity)
         if self.keep not in ("first", "last"):
             raise ValueError(f"Stack(keep={self.keep!r}): keep must be 'first' or 'last'.")
 
@@ -169,8 +162,7 @@ class Sample(AbstractReduction):
     event_axes: ClassVar[int] = 1
 
     def __check_init__(self):
-        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            raise ValueError(f"Sample(k={self.k!r}): k must be an int >= 1.")
+        check_count("Sample", "k", self.k)
 
     def with_key(self, key):
         return self if self.key is not None else Sample(self.k, key)
@@ -283,8 +275,7 @@ class Window(AbstractReduction):
         self.capacity = capacity
 
     def __check_init__(self):
-        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
-            raise ValueError(f"Window(size={self.size!r}): size must be an int >= 1.")
+        check_count("Window", "size", self.size)
         _check_capacity("Window", self.capacity)
 
     def step_reduction(self):

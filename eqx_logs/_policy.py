@@ -10,6 +10,7 @@ import jax
 from jaxtyping import PRNGKeyArray
 
 from ._buffers import Collect, Stack
+from ._checks import check_count
 from ._reductions import (
     AbstractReduction,
     Count,
@@ -143,14 +144,8 @@ class Policy(eqx.Module):
         self.key = key
 
     def __check_init__(self):
-        def positive(name, value, optional):
-            if optional and value is None:
-                return
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Policy({name}={value!r}): {name} must be an int >= 1.")
-
-        positive("interval", self.interval, False)
-        positive("window", self.window, True)
+        check_count("Policy", "interval", self.interval)
+        check_count("Policy", "window", self.window, optional=True)
         if not isinstance(self.prefix, str):
             raise TypeError(f"Policy(prefix={self.prefix!r}): prefix must be a string.")
         for pattern, _ in self.rules:

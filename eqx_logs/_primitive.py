@@ -305,7 +305,14 @@ def _is_arraylike(x: Any) -> bool:
 
 
 def _check_value(key: str, value: Any, site: str) -> list[Any]:
-    leaves = jtu.tree_leaves(value)
+    try:
+        leaves = jtu.tree_leaves(value)
+    except (ValueError, TypeError, RecursionError, SystemError) as e:  # JAX's own pytree errors
+        raise TypeError(
+            f"eqx_logs.log: key {key!r} at {site} has a value that is not a valid pytree "
+            f"({type(e).__name__}: {str(e)[:200]}): log a dict with keys of one type, nested "
+            "at most a few hundred levels deep."
+        ) from None
     if not leaves:
         raise ValueError(
             f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}."
@@ -322,7 +329,31 @@ def _check_value(key: str, value: Any, site: str) -> list[Any]:
                 f"eqx_logs.log: key {key!r} at {site} is a typed PRNG key; log "
                 "`jax.random.key_data(key)` instead."
             )
+        if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "OSUVMm":
+            raise TypeError(
+                f"eqx_logs.log: key {key!r} at {site} has a numpy array of dtype {leaf.dtype}; "
+                "only numbers (bool, int, float, complex) can be logged."
+            )
+        _check_range(f"key {key!r}", leaf, site)
     return leaves
+
+
+def _check_range(what: str, x: Any, site: str) -> None:
+    """A Python or numpy integer must fit the integer type JAX gives it (int32 without
+    `jax_enable_x64`): JAX would otherwise wrap it silently (2**40 + 7 becomes 7)."""
+    if isinstance(x, bool) or not isinstance(x, int | np.integer | np.ndarray):
+        return
+    if isinstance(x, np.ndarray) and (x.dtype.kind not in "iu" or x.size == 0):
+        return
+    dtype = jnp.int64 if isinstance(x, int) else np.asarray(x).dtype
+    target = jnp.iinfo(jax.dtypes.canonicalize_dtype(dtype))
+    lo, hi = (int(np.min(x)), int(np.max(x))) if isinstance(x, np.ndarray) else (int(x), int(x))
+    if lo < target.min or hi > target.max:
+        raise OverflowError(
+            f"eqx_logs.log: {what} at {site} holds {hi if hi > target.max else lo}, outside "
+            f"{target.dtype} (the type JAX gives it here, and would wrap it to); enable "
+            "`jax_enable_x64`, or log a float."
+        )
 
 
 def _check_step(name: str, value: Any, site: str) -> jax.Array:
@@ -340,6 +371,7 @@ def _check_step(name: str, value: Any, site: str) -> jax.Array:
             f"eqx_logs.log: step {name}={value!r:.60} at {site} must be an integer scalar "
             "(a Python int or an integer array of shape ()), for example `step=i`."
         )
+    _check_range(f"step {name!r}", value, site)
     return jnp.asarray(value)
 
 

@@ -12,7 +12,10 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
+
+from ._checks import check_count, check_number
 
 
 class AbstractReduction(eqx.Module):
@@ -329,6 +332,8 @@ class EMA(AbstractReduction):
     decay: float | Array
 
     def __check_init__(self):
+        if not isinstance(self.decay, jax.Array | np.ndarray | np.generic):
+            check_number("EMA", "decay", self.decay)
         if isinstance(self.decay, int | float) and not 0 <= self.decay < 1:
             raise ValueError(f"EMA(decay={self.decay!r}): decay must be in [0, 1).")
 
@@ -363,8 +368,13 @@ class Histogram(AbstractReduction):
     range: tuple[float, float] = eqx.field(static=True)
 
     def __check_init__(self):
-        if isinstance(self.bins, bool) or not isinstance(self.bins, int) or self.bins < 1:
-            raise ValueError(f"Histogram(bins={self.bins!r}): bins must be an int >= 1.")
+        check_count("Histogram", "bins", self.bins)
+        if not isinstance(self.range, tuple | list) or len(self.range) != 2:
+            raise TypeError(
+                f"Histogram(range={self.range!r:.60}): range must be a pair (low, high)."
+            )
+        for bound in self.range:
+            check_number("Histogram", "range", bound)
         lo, hi = self.range
         if not lo < hi:
             raise ValueError(f"Histogram(range={self.range!r}): needs low < high.")

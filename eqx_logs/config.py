@@ -18,6 +18,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from ._checks import is_count
 from ._policy import Policy, as_reduction
 
 
@@ -118,8 +119,8 @@ def policy(
     for name, value, optional in (("interval", interval, False), ("window", window, True)):
         if optional and value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise bad(name, value, "must be an integer >= 1")
+        if not is_count(value):
+            raise bad(name, value, "must be an integer from 1 to 2**31 - 1")
     try:
         reduce = as_reduction(_plain(reduce), where="reduce")
     except ValueError as e:
