@@ -23,6 +23,7 @@ from eqx_logs.loggers import (
     JsonlLogger,
     MLflowLogger,
     TensorBoardLogger,
+    WriterError,
     read_arrays,
     read_jsonl,
 )
@@ -397,3 +398,120 @@ def test_read_arrays_names_a_bad_file(tmp_path):
     np.savez(folder / "000001.npz", value=np.float32(2.0))  # a real .npz without a key
     with pytest.raises(ValueError, match=r"000001\.npz: not an ArrayLogger event.*no key"):
         read_arrays(tmp_path / "arr")
+
+
+# -- SIGKILL at random moments: what was flushed is read back, in order -------------------------
+
+_KILL_CHILD = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    import eqx_logs
+    from eqx_logs.loggers import ArrayLogger, JsonlLogger, TensorBoardLogger
+
+    make = {"jsonl": lambda p: JsonlLogger(p + "/l.jsonl"), "array": ArrayLogger,
+            "tensorboard": TensorBoardLogger}[sys.argv[1]]
+    logger = make(sys.argv[2])
+    print("ready", flush=True)
+    for i in range(10**6):
+        logger.write(eqx_logs.LogDict({"x": np.float32(i)}, count={"x": np.int32(1)},
+                                      steps={"step": {"x": np.int32(i)}}))
+        logger.flush()
+        print(i, flush=True)
+    """
+)
+
+
+def _read_back(backend: str, path) -> list[float]:
+    if backend == "jsonl":
+        return [r["value"] for r in read_jsonl(path / "l.jsonl")]
+    if backend == "array":
+        return [float(e["value"]) for e in read_arrays(path).get("x", [])]
+    return [v for _, v in _read_tensorboard(path / "run_0").get("x", [])]
+
+
+@pytest.mark.parametrize("backend", ["jsonl", "array", "tensorboard"])
+def test_sigkill_loses_nothing_flushed(tmp_path, backend):
+    rng = np.random.default_rng(0)
+    flushed, read = [], []
+    for kill in range(2):
+        child = subprocess.Popen(
+            [sys.executable, "-c", _KILL_CHILD, backend, str(tmp_path)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            assert child.stdout.readline() == "ready\n"
+            assert child.stdout.readline() == "0\n"  # writing: kill it at a random moment
+            time.sleep(rng.uniform(0.05, 0.5))
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+            done = [0, *(int(line) for line in child.stdout.read().split())]
+        finally:
+            child.kill()
+        flushed.append(len(done))
+        read.append(_read_back(backend, tmp_path))
+    assert min(flushed) > 1, flushed  # killed mid-run
+    # each run appends its 0, 1, 2, ...: every flushed event is there, whole and in order
+    assert read[0][: flushed[0]] == [float(i) for i in range(flushed[0])]
+    first = len(read[0])
+    assert read[1][:first] == read[0]
+    assert read[1][first : first + flushed[1]] == [float(i) for i in range(flushed[1])]
+
+
+# -- a real full disk: a 64 KiB tmpfs (mounting one needs root; the RLIMIT_FSIZE tests above
+# cover the same failure without it) ------------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    mount = tmp_path / "tiny"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (not root?): {done.stderr.decode()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.mark.parametrize("backend", ["jsonl", "array", "tensorboard"])
+def test_full_disk_raises_and_keeps_what_was_written(tiny_disk, backend):
+    make = {
+        "jsonl": lambda: JsonlLogger(tiny_disk / "l.jsonl"),
+        "array": lambda: ArrayLogger(tiny_disk),
+        "tensorboard": lambda: TensorBoardLogger(tiny_disk),
+    }[backend]
+    logger = make()
+    written = 0
+    with pytest.raises(WriterError, match="No space left on device"):
+        for i in range(100_000):
+            logs = eqx_logs.LogDict(
+                {"x": np.float32(i)},
+                count={"x": np.int32(1)},
+                steps={"step": {"x": np.int32(i)}},
+            )
+            logger.write(logs)
+            logger.flush()
+            written += 1
+    assert written > 10
+    try:
+        logger.close()
+    except WriterError:
+        pass  # closing may fail on the full disk too; it must return
+    got = _read_back(backend, tiny_disk)
+    assert got[:written] == [float(i) for i in range(written)]  # whole, in order
+    if backend == "jsonl":  # room again: a new logger appends after the last whole record
+        for f in tiny_disk.glob("*"):
+            if f.name != "l.jsonl":
+                f.unlink()
+        (tiny_disk / "l.jsonl").write_bytes((tiny_disk / "l.jsonl").read_bytes()[:4000])
+        with JsonlLogger(tiny_disk / "l.jsonl") as resumed:
+            resumed.write(eqx_logs.LogDict({"y": np.float32(-1)}, count={"y": np.int32(1)}))
+        rows = read_jsonl(tiny_disk / "l.jsonl")
+        assert rows[-1]["key"] == "y" and [r["value"] for r in rows[:-1]] == list(
+            map(float, range(len(rows) - 1))
+        )
