@@ -366,23 +366,46 @@ def _while_apply(interp, eqn, invals, states):
             lambda c: test(c[0], {}, {})[0], lambda c: advance(*c), (init, {}, sub)
         )
         return values, {**states, **sub}
-    # cond_fun runs once more than the body: test, (body, test)*. The predicate (and its lane
-    # value) rides in the carry, so each iteration knows the test that admitted it (its
-    # guard). An iteration runs for a lane alone where that lane value holds and the carried
-    # control values agree with the lane's own (`in_step`); only then do those advance.
+
+    # An iteration runs for a lane alone where the lane value of the test that admitted it
+    # holds and the carried control values agree with the lane's own (`in_step`); only then
+    # do those advance.
+    def live_in(values, lanes, lane):
+        step = interp.in_step(values, lanes)
+        return lane if step is None else step if lane is None else jnp.logical_and(lane, step)
+
+    init_lanes = interp.carried(init, init_lanes)
+    if not interp.has_log(cond):
+        # the loop as it was; the body evaluates the test again for its lane value (without a
+        # vmap that is dead code, see `_lanes.shadow`)
+        def plain_body(carry):
+            values, lanes, sub = carry
+            pred, _ = test(values, lanes, {})
+            live = live_in(values, lanes, interp.lane_of(pred))
+            with interp.guard(lambda: pred, live):
+                values, new_lanes, sub = advance(values, lanes, sub)
+            lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
+            return values, interp.carried(values, lanes), sub
+
+        carry = (init, init_lanes, sub)
+        values, lanes, sub = lax.while_loop(lambda c: test(*c)[0], plain_body, carry)
+        interp.with_lanes(values, lanes)
+        return values, {**states, **sub}
+
+    # cond_fun logs and runs once more than the body: test, (body, test)*. The predicate (and
+    # its lane value) rides in the carry, so each iteration knows the test that admitted it.
     pred, sub = test(init, init_lanes, sub)
 
     def loop_body(carry):
         values, lanes, sub, pred, lane = carry
-        step = interp.in_step(values, lanes)
-        live = lane if step is None else step if lane is None else jnp.logical_and(lane, step)
+        live = live_in(values, lanes, lane)
         with interp.guard(lambda: pred, live):
             values, new_lanes, sub = advance(values, lanes, sub)
             lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
             pred, sub = test(values, lanes, sub)
         return values, interp.carried(values, lanes), sub, pred, interp.lane_of(pred)
 
-    carry = (init, interp.carried(init, init_lanes), sub, pred, interp.lane_of(pred))
+    carry = (init, init_lanes, sub, pred, interp.lane_of(pred))
     values, lanes, sub, _, _ = lax.while_loop(lambda c: c[3], loop_body, carry)
     interp.with_lanes(values, lanes)
     return values, {**states, **sub}
