@@ -131,6 +131,16 @@ def is_scalar(x: np.ndarray) -> bool:
     return x.size == 1 and (np.issubdtype(x.dtype, np.number) or x.dtype == bool)
 
 
+def not_complex(leaf: np.ndarray) -> str | None:
+    """For a backend's `_unstorable`: why it cannot store `leaf` if complex, else None."""
+    if np.iscomplexobj(leaf):
+        return (
+            "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under keys "
+            "of their own)"
+        )
+    return None
+
+
 def require(module: str, extra: str, who: str) -> Any:
     """Import an optional backend, or say which extra installs it."""
     import importlib

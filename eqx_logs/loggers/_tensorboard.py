@@ -9,7 +9,7 @@ from typing import IO, Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, require
+from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, not_complex, require
 
 
 @functools.cache
@@ -102,12 +102,7 @@ class TensorBoardLogger(AbstractLogger):
         require("tensorboardX", "tensorboard", "TensorBoardLogger")
 
     def _unstorable(self, leaf: np.ndarray) -> str | None:
-        if np.iscomplexobj(leaf):
-            return (
-                "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under "
-                "keys of their own)"
-            )
-        return None
+        return not_complex(leaf)
 
     def _open(self, run: int) -> tuple[_EventFile, dict[str, _EventFile], dict[str, int]]:
         rundir = os.path.join(self.logdir, f"run_{run}")

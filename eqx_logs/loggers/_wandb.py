@@ -4,7 +4,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, require
+from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, not_complex, require
 
 
 class WandbLogger(AbstractLogger):
@@ -49,12 +49,7 @@ class WandbLogger(AbstractLogger):
         return wandb_run, {"last": -1}
 
     def _unstorable(self, leaf: np.ndarray) -> str | None:
-        if np.iscomplexobj(leaf):
-            return (
-                "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under "
-                "keys of their own)"
-            )
-        return None
+        return not_complex(leaf)
 
     def _write(self, handle: tuple[Any, dict[str, int]], run: int, records: list[Record]):
         wandb = require("wandb", "wandb", "WandbLogger")
