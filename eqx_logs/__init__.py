@@ -9,7 +9,12 @@ from ._buffers import (
 )
 from ._logdict import LogDict as LogDict
 from ._policy import Policy as Policy
-from ._primitive import log as log, log_grad as log_grad, scope as scope
+from ._primitive import (
+    LostEventsWarning as LostEventsWarning,
+    log as log,
+    log_grad as log_grad,
+    scope as scope,
+)
 from ._reductions import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,
