@@ -8,7 +8,7 @@ PYTHON ?= python3
 # pyenv installs put python3.12 outside PATH on some machines; fall back to those.
 PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
 
-.PHONY: demo test test312 bench lint clean
+.PHONY: demo test test-fast test312 bench lint clean
 
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
@@ -27,6 +27,9 @@ demo: .venv/.installed
 
 test: .venv/.installed
 	.venv/bin/python -m pytest -q
+
+test-fast: .venv/.installed
+	.venv/bin/python -m pytest -q -m fast
 
 test312: .venv312/.installed
 	.venv312/bin/python -m pytest -q

@@ -11,6 +11,8 @@ from jax import lax
 
 import eqx_logs as el
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 def assert_close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, equal_nan=True)

@@ -12,6 +12,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import eqx_logs as el
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 EXAMPLES = 250  # per test: 500 in all
 
 KEYS = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=12)

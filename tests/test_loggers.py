@@ -21,6 +21,8 @@ import eqx_logs
 from eqx_logs.loggers import ConsoleLogger, JsonlLogger, read_jsonl, records
 from eqx_logs.loggers._base import safe_name
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 XS = np.arange(8.0, dtype=np.float32)
 
 

@@ -11,6 +11,8 @@ from jax import lax
 
 import eqx_logs as el
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 XS = jnp.arange(10.0)
 
 

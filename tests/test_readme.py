@@ -5,6 +5,10 @@ import io
 import pathlib
 import re
 
+import pytest
+
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 README = pathlib.Path(__file__).parent.parent / "README.md"
 
 

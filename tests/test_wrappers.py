@@ -14,6 +14,8 @@ from helpers import assert_close
 import eqx_logs as el
 from eqx_logs.loggers import JsonlLogger, read_jsonl
 
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
 
 class Model(eqx.Module):
     linear: eqx.nn.Linear
