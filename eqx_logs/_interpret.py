@@ -503,7 +503,7 @@ class Interpreter:
         selected = self.policy.selects(params["tags"])
         if not selected or self.keep:
             # not ours (or kept): an enclosing spool sees it
-            rebind(eqn, force(invals), self.lane_mask())
+            rebind(eqn, invals, self.lane_mask())
         if not selected:
             return
         treedef = params["treedef"]
@@ -519,7 +519,7 @@ class Interpreter:
         # enclosing spool or tap captures them.
         passed = [k for k in items if k not in states and not self._dropped(k)]
         if passed:
-            rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
+            rebind(eqn, invals, self.lane_mask(), keys=passed, rule=self.rule_name)
         keys = [k for k in items if k in states]
         by_lane = [k for k in keys if self.info[k].lanes_as_events and params["nbatch"]]
         if by_lane:

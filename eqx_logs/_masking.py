@@ -16,7 +16,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat, _lanes
-from ._deferred import force
 from ._interpret import Interpreter
 from ._policy import Policy
 from ._primitive import log_effect, rebind
@@ -36,7 +35,7 @@ class _MaskInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         lane = self.lane_mask()
         mask = self.mask if lane is None else jnp.logical_and(self.mask, lane)
-        rebind(eqn, force(invals), mask)
+        rebind(eqn, invals, mask)
 
 
 def masked_eval(closed: Any, args: Sequence[Any], mask: Any) -> list[Any]:

@@ -26,6 +26,7 @@ import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
+from ._deferred import force
 
 
 class LogEffect(_compat.Effect):
@@ -174,11 +175,13 @@ def rebind(
     """Bind a log equation again (for an enclosing spool or tap): only `keys` of it (None:
     all), its events masked by `mask` too (a bool per lane; None: as they were), and marked
     as coming from the backward or forward `rule` of a custom derivative (None: as it was).
-    Where no spool or tap is tracing, the events are dropped (see `log_p`)."""
+    Where no spool or tap is tracing, the events are dropped (see `log_p`), and operands
+    computed only for logs (`Lazy`) are never computed."""
     params = dict(eqn.params)
     if not _compat.logging_enabled.value:
         _dropped(params["site"], rule or params["rule"])
         return
+    invals = force(invals)
     if mask is None and keys is None and rule is None:
         _compat.bind_eqn(eqn, invals)
         return

@@ -258,7 +258,7 @@ class _TapInterpreter(Interpreter):
     def _event(self, eqn, invals, states):
         params = eqn.params
         if not self.policy.selects(params["tags"]):
-            rebind(eqn, force(invals), self.lane_mask())  # not ours: an enclosing one's
+            rebind(eqn, invals, self.lane_mask())  # not ours: an enclosing one's
             return
         if self._silent:  # the interval skips this event
             return
@@ -269,7 +269,7 @@ class _TapInterpreter(Interpreter):
         # keys a custom derivative rule logs but its primal does not: as in spool
         passed = [k for k in items if k not in keys and not self._dropped(k)]
         if passed:
-            rebind(eqn, force(invals), self.lane_mask(), keys=passed, rule=self.rule_name)
+            rebind(eqn, invals, self.lane_mask(), keys=passed, rule=self.rule_name)
         if not keys:
             return
         mask = force(invals[-1:])[0] if params["masked"] else None
