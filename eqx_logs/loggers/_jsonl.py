@@ -46,6 +46,9 @@ class JsonlLogger(AbstractLogger):
         file.close()
 
 
+_CHUNK = 1 << 16  # read backwards from the end in pieces this big
+
+
 def _drop_torn_line(path: str) -> None:
     """A record is written whole, newline last: a last line without one was cut short (a
     crash, a full disk) and never held a record. Remove it before appending, so that the next
@@ -75,9 +78,6 @@ def _drop_torn_line(path: str) -> None:
         f"({end - start} bytes, no complete record) before appending.",
         stacklevel=2,
     )
-
-
-_CHUNK = 1 << 16
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
