@@ -1,5 +1,6 @@
 """Small helpers shared by the tests."""
 
+import os
 import re
 
 import numpy as np
@@ -206,3 +207,23 @@ def write_leveldb_log(payloads: list[bytes]) -> bytes:
             if not payload:
                 break
     return bytes(out)
+
+
+def read_tensorboard(rundir) -> tuple[dict, dict]:
+    """`(scalars, histograms)` of one TensorBoard run directory, read with tensorboard's own
+    EventAccumulator: tag -> [(step, value)], and tag -> [(step, (min, max, num, sum,
+    sum_squares))]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.fspath(rundir), size_guidance={"scalars": 0, "histograms": 0})
+    acc.Reload()
+    tags = acc.Tags()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
+    histograms = {}
+    for t in tags["histograms"]:
+        histograms[t] = []
+        for e in acc.Histograms(t):
+            h = e.histogram_value
+            assert sum(h.bucket) == h.num, f"{t}: bucket counts do not add up"
+            histograms[t].append((e.step, (h.min, h.max, h.num, h.sum, h.sum_squares)))
+    return scalars, histograms

@@ -29,6 +29,7 @@ from helpers import (
     MIDDLE,
     WANDB_BLOCK,
     check_aligned,
+    read_tensorboard,
     read_wandb,
     wandb_payloads,
     write_leveldb_log,
@@ -275,23 +276,6 @@ def test_read_arrays_never_unpickles(tmp_path):
 
 
 # --- TensorBoardLogger -------------------------------------------------------------------------
-
-
-def read_tensorboard(rundir) -> tuple[dict, dict]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(os.fspath(rundir), size_guidance={"scalars": 0, "histograms": 0})
-    acc.Reload()
-    tags = acc.Tags()
-    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags["scalars"]}
-    histograms = {}
-    for t in tags["histograms"]:
-        histograms[t] = []
-        for e in acc.Histograms(t):
-            h = e.histogram_value
-            assert sum(h.bucket) == h.num, f"{t}: bucket counts do not add up"
-            histograms[t].append((e.step, (h.min, h.max, h.num, h.sum, h.sum_squares)))
-    return scalars, histograms
 
 
 def finite_of(leaf: np.ndarray) -> np.ndarray:

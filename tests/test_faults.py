@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import read_tensorboard
 
 import eqx_logs
 from eqx_logs.loggers import (
@@ -184,14 +185,6 @@ def test_a_slow_backend_applies_back_pressure(tmp_path):
 # -- TensorBoard: flushed means on disk, a full disk fails loudly, files never overwritten ------
 
 
-def _read_tensorboard(rundir) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(rundir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
-
-
 _TB_CHILD = textwrap.dedent(
     """
     import sys, time
@@ -222,7 +215,7 @@ def test_tensorboard_flushed_events_survive_a_kill(tmp_path):
         child.wait(timeout=30)
     finally:
         child.kill()
-    assert _read_tensorboard(tmp_path / "run_0") == {"x": [(i, float(i)) for i in range(n)]}
+    assert read_tensorboard(tmp_path / "run_0")[0] == {"x": [(i, float(i)) for i in range(n)]}
 
 
 def test_tensorboard_full_disk_fails_loudly(tmp_path):
@@ -235,7 +228,7 @@ def test_tensorboard_full_disk_fails_loudly(tmp_path):
     )
     assert child.returncode == 1, child.stderr[-2000:]
     assert b"WriterError" in child.stderr and b"File too large" in child.stderr
-    got = _read_tensorboard(tmp_path / "run_0")["x"]  # what fitted reads back, in order
+    got = read_tensorboard(tmp_path / "run_0")[0]["x"]  # what fitted reads back, in order
     assert 0 < len(got) < 5000 and got == [(i, float(i)) for i in range(len(got))]
 
 
@@ -251,7 +244,7 @@ def test_tensorboard_reopening_keeps_every_file(tmp_path):
     logger.close()
     with TensorBoardLogger(tmp_path) as other:  # another logger on the same logdir
         write(other, 2)
-    got = sorted(v for _, v in _read_tensorboard(tmp_path / "run_0")["x"])
+    got = sorted(v for _, v in read_tensorboard(tmp_path / "run_0")[0]["x"])
     assert got == [0.0, 1.0, 2.0]
 
 
@@ -261,8 +254,10 @@ def test_tensorboard_keys_stay_distinct(tmp_path):
     values["v"] = np.array([1.0, np.nan, np.inf], np.float32)
     with TensorBoardLogger(tmp_path) as logger:
         logger.write(eqx_logs.LogDict(values, count={k: np.int32(1) for k in values}))
-    assert _read_tensorboard(tmp_path / "run_0") == {k: [(0, float(i))] for i, k in enumerate(keys)}
-    assert _read_tensorboard(tmp_path / "run_0" / "nonfinite") == {"v": [(0, 2.0)]}
+    assert read_tensorboard(tmp_path / "run_0")[0] == {
+        k: [(0, float(i))] for i, k in enumerate(keys)
+    }
+    assert read_tensorboard(tmp_path / "run_0" / "nonfinite")[0] == {"v": [(0, 2.0)]}
 
 
 # -- keys: every key storable, distinct keys distinct, in every backend -------------------------
@@ -350,7 +345,7 @@ def test_tensorboard_names_the_key_it_cannot_store(tmp_path):
     ):
         logger.write(_mixed_logs())
     logger.close()
-    got = _read_tensorboard(tmp_path / "run_0")
+    got, _ = read_tensorboard(tmp_path / "run_0")
     assert got == {"tree/('a', 'b')": [(0, 1.0)], "tree/('c',)": [(0, 2.0)], "ok": [(0, 5.0)]}
 
 
@@ -427,7 +422,7 @@ def _read_back(backend: str, path) -> list[float]:
         return [r["value"] for r in read_jsonl(path / "l.jsonl")]
     if backend == "array":
         return [float(e["value"]) for e in read_arrays(path).get("x", [])]
-    return [v for _, v in _read_tensorboard(path / "run_0").get("x", [])]
+    return [v for _, v in read_tensorboard(path / "run_0")[0].get("x", [])]
 
 
 @pytest.mark.parametrize("backend", ["jsonl", "array", "tensorboard"])
