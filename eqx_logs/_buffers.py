@@ -7,6 +7,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from ._checks import check_count
@@ -55,8 +56,9 @@ class Stack(AbstractReduction):
         if size is None:
             raise NeedsBound()
         buffers = jtu.tree_map(lambda s: _empty(s, size), struct)
-        # index: the number of events received.
-        return {"buffer": buffers, "index": jnp.zeros((), jnp.int32)}
+        # index: the number of events received; a numpy value while known at trace time, so
+        # that straight-line events are written at static offsets (`update_many`)
+        return {"buffer": buffers, "index": np.zeros((), np.int32)}
 
     def update(self, state, value, valid):
         index = state["index"]
@@ -82,6 +84,28 @@ class Stack(AbstractReduction):
         buffers = jtu.tree_map(write, state["buffer"], value)
         return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}
 
+    def update_many(self, state, values):
+        index = state["index"]
+        size = jtu.tree_leaves(state["buffer"])[0].shape[0]
+        known = isinstance(index, np.ndarray | np.generic)
+        # With a static bound (no capacity) these events, all valid, fit where they can run (a
+        # scan of length 0 still traces its body); with a capacity, where the offset is known.
+        if self.capacity is None:
+            fits = len(values) <= size
+        else:
+            fits = known and int(index) + len(values) <= size
+        if self.keep == "last" or size == 0 or not fits:
+            return super().update_many(state, values)
+
+        def write(buf: Array, *vs: Any) -> Array:
+            block = jnp.stack([jnp.asarray(v, buf.dtype) for v in vs])
+            if known and int(index) == 0 and len(vs) == size:
+                return block
+            return jax.lax.dynamic_update_slice(buf, block, (index, *(0,) * (buf.ndim - 1)))
+
+        buffers = jtu.tree_map(write, state["buffer"], *values)
+        return {"buffer": buffers, "index": index + len(values)}
+
     def merge(self, a, b):
         # Replay b's stored events, oldest first, into a.
         stored = self.finalize(b)
@@ -99,7 +123,9 @@ class Stack(AbstractReduction):
 
     def rows(self, state):
         size = jtu.tree_leaves(state["buffer"])[0].shape[0]
-        return jnp.minimum(state["index"], size)
+        index = state["index"]
+        known = isinstance(index, np.ndarray | np.generic)
+        return np.minimum(index, size) if known else jnp.minimum(index, size)
 
     def finalize(self, state):
         if self.keep == "first":

@@ -300,6 +300,14 @@ class Interpreter:
         self.rule_name: str | None = None
         self._lane_values: dict[int, tuple[Any, Any]] = {}  # id(x) -> (x, its lane value)
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
+        self._selects: dict[tuple[str, ...], bool] = {}
+
+    def selects(self, tags: tuple[str, ...]) -> bool:
+        """`self.policy.selects(tags)`, cached: called for every log equation."""
+        hit = self._selects.get(tags)
+        if hit is None:
+            hit = self._selects[tags] = self.policy.selects(tags)
+        return hit
 
     # -- first pass ---------------------------------------------------------------------
 
@@ -325,7 +333,7 @@ class Interpreter:
         total: Counts = {}
         for eqn in jaxpr.eqns:
             if is_log(eqn):
-                if self.policy.selects(eqn.params["tags"]):
+                if self.selects(eqn.params["tags"]):
                     keys = self._record(eqn)
                     total = _add(total, {k: self._events_per_log(eqn, k) for k in keys})
             elif self.eqn_has_log(eqn):
@@ -429,8 +437,9 @@ class Interpreter:
 
     # -- second pass --------------------------------------------------------------------
 
-    def eval(self, closed: Any, args: Sequence[Any], states: dict[str, Any]):
-        """Evaluate `closed` on `args`; returns `(outs, states)`."""
+    def eval(self, closed: Any, args: Sequence[Any], states: dict[str, Any], *, settle=True):
+        """Evaluate `closed` on `args`; returns `(outs, states)`, the states as arrays unless
+        `settle` is false (for code inlined in the current trace)."""
         jaxpr, consts = _compat.unpack(closed)
         states = dict(states)
         env: dict[Any, Any] = {}
@@ -465,7 +474,7 @@ class Interpreter:
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
-        return [read(v) for v in jaxpr.outvars], states
+        return [read(v) for v in jaxpr.outvars], self.settle(states) if settle else states
 
     def _log_only(self, jaxpr: Any) -> tuple[Producers, set[int]]:
         """The equations of `jaxpr` that only logs use (`_deferred.py`), cached."""
@@ -500,7 +509,7 @@ class Interpreter:
         logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
         inside the `lax.cond` that folds it in."""
         params = eqn.params
-        selected = self.policy.selects(params["tags"])
+        selected = self.selects(params["tags"])
         if not selected or self.keep:
             # not ours (or kept): an enclosing spool sees it
             rebind(eqn, invals, self.lane_mask())
@@ -536,14 +545,16 @@ class Interpreter:
                 sub[key] = self._fold(key, sub[key], self._event_of(key, value, steps), valid[key])
             return sub
 
-        sub = {k: states[k] for k in keys}
         lazy = any(isinstance(x, Lazy) for x in invals[:n_leaves])
-        if not lazy or all(v is True for v in valid.values()):
-            sub = fold(sub, force(invals[:n_leaves]))
+        if not lazy or all(isinstance(v, bool) for v in valid.values()):
+            states.update(fold({k: states[k] for k in keys}, force(invals[:n_leaves])))
         else:  # computed only if some event is kept
             kept = functools.reduce(jnp.logical_or, [jnp.any(v) for v in valid.values()])
-            sub = lax.cond(kept, lambda s: fold(s, force(invals[:n_leaves], {})), lambda s: s, sub)
-        states.update(sub)
+
+            def folded(sub):
+                return self.settle(fold(sub, force(invals[:n_leaves], {})))
+
+            states.update(lax.cond(kept, folded, lambda s: s, self.settle(states, keys)))
 
     def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
         """Each lane of a batched event as an event of its own (`_KeyInfo.lanes_as_events`)."""
@@ -566,7 +577,7 @@ class Interpreter:
         """One event of `key`, cast to its recorded types: the value and every step."""
         info = self.info[key]
         leaves = [
-            jax.lax.stop_gradient(jnp.asarray(x, s.dtype))
+            x if getattr(x, "dtype", None) == s.dtype else jnp.asarray(x, s.dtype)
             for x, s in zip(jtu.tree_leaves(value), info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
@@ -596,30 +607,56 @@ class Interpreter:
                 number = jnp.asarray(steps[INTERVAL_STEP])
             else:
                 number = state["seen"]
-            valid = jnp.logical_and(lax.rem(number, jnp.asarray(period, number.dtype)) == 0, mask)
-            state["seen"] = state["seen"] + jnp.asarray(mask, jnp.int32)
-        if valid is not True:
+            if _known(number) and mask is True:  # all lanes have seen as many events
+                valid = bool(np.all(number % period == 0))
+            else:
+                multiple = lax.rem(number, jnp.asarray(period, number.dtype)) == 0
+                valid = jnp.logical_and(multiple, mask)
+            state["seen"] = _plus(state["seen"], mask)
+        if not isinstance(valid, bool):
             valid = _lanes.fit(valid, batch)
-        state["count"] = state["count"] + jnp.asarray(valid, jnp.int32)
+        state["count"] = _plus(state["count"], valid)
         return state, valid
 
     def _fold(
         self, key: str, state: dict[str, Any], event: dict[str, Any], valid: Any
     ) -> dict[str, Any]:
-        """Fold one event into every channel of a key's state, where `valid`."""
+        """Fold one event into every channel of a key's state, where `valid`. An event kept
+        for sure is only recorded (`_Pending`)."""
+        if valid is False:
+            return state
         state = dict(state)
-        nbatch = self.info[key].nbatch
         for channel, reduction in self._channels[key].items():
-
-            def update(s, v, valid, reduction=reduction):
-                return reduction.update(s, v, valid)
-
+            s = state[channel]
             if valid is True:
-                update = functools.partial(update, valid=True)
-                state[channel] = _vmap(update, nbatch)(state[channel], event[channel])
+                events = s.events if isinstance(s, _Pending) else ()
+                base = s.state if isinstance(s, _Pending) else s
+                state[channel] = _Pending(base, (*events, event[channel]))
             else:
-                state[channel] = _vmap(update, nbatch)(state[channel], event[channel], valid)
+                s = self._settle_channel(key, channel, s, arrays=False)
+                update = _vmap(reduction.update, self.info[key].nbatch)
+                state[channel] = update(s, _stop_gradient(event[channel]), valid)
         return state
+
+    def _settle_channel(self, key: str, channel: str, state: Any, arrays: bool) -> Any:
+        if isinstance(state, _Pending):
+            update_many = self._channels[key][channel].update_many
+            state = _vmap(update_many, self.info[key].nbatch)(state.state, list(state.events))
+            # states take no gradient: one stop per leaf, where the events need one each
+            state = _stop_gradient(state)
+        return jtu.tree_map(_as_array, state) if arrays else state
+
+    def settle(
+        self, states: dict[str, Any], keys: Any = None, *, arrays: bool = True
+    ) -> dict[str, Any]:
+        """The states of `keys` (all by default) with their pending events folded in, and as
+        arrays (unless `arrays` is false): to thread through a function JAX traces (a loop
+        body, a branch)."""
+        keys = states if keys is None else keys
+        return {
+            k: {c: self._settle_channel(k, c, s, arrays) for c, s in states[k].items()}
+            for k in keys
+        }
 
     # -- the whole program ----------------------------------------------------------------
 
@@ -641,7 +678,8 @@ class Interpreter:
                     **{f"step:{n}": step for n in info.steps},
                 }
         states = {key: self._init(key, counts[key]) for key in self._reductions}
-        outs, states = self.eval(closed, args, states)
+        outs, states = self.eval(closed, args, states, settle=False)
+        states = self.settle(states, arrays=False)  # what is known now stays so
         values, count, steps, names, rows = {}, {}, {}, {}, {}
         for key, state in states.items():
             name = self.policy.prefix + key
@@ -668,9 +706,11 @@ class Interpreter:
         for name, s in info.steps.items():
             lane[f"step:{name}"] = jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)
         batch = info.batch_shape()
-        state = {"count": jnp.zeros(batch, jnp.int32)}
+        # counters are numpy values while they are known at trace time: straight-line events
+        # are counted (and selected by `interval`) without an operation
+        state = {"count": np.zeros(batch, np.int32)}
         if self.policy.interval > 1:
-            state["seen"] = jnp.zeros(batch, jnp.int32)
+            state["seen"] = np.zeros(batch, np.int32)
         for channel, reduction in self._channels[key].items():
             try:
                 lane_state = reduction.init(lane[channel], bound)
@@ -683,11 +723,48 @@ class Interpreter:
                     "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
                     "`lax.fori_loop` with static bounds."
                 ) from None
-            state[channel] = jtu.tree_map(
+            state[channel] = lane_state if not batch else jtu.tree_map(
                 lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
             )
         state["value"] = info.shard_like_values(state["value"])
         return state
+
+
+class _Pending:
+    """A channel's state with events still to fold in, each of them kept for sure: the events
+    of straight-line code are folded in together (`AbstractReduction.update_many`), where the
+    state is next needed as arrays (`Interpreter.settle`)."""
+
+    __slots__ = ("state", "events")
+
+    def __init__(self, state: Any, events: tuple[Any, ...]):
+        self.state, self.events = state, events
+
+
+def _known(x: Any) -> bool:
+    """Whether `x` is a value known at trace time (a numpy counter, see `Interpreter._init`)."""
+    return isinstance(x, np.ndarray | np.generic)
+
+
+def _as_array(x: Any) -> Any:
+    return jnp.asarray(x) if _known(x) else x
+
+
+def _stop_gradient(tree: Any) -> Any:
+    """`lax.stop_gradient` of the traced inexact leaves of `tree`."""
+
+    def stop(x):
+        inexact = not _known(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+        return lax.stop_gradient(x) if inexact else x
+
+    return jtu.tree_map(stop, tree)
+
+
+def _plus(count: Any, valid: Any) -> Any:
+    """`count + valid`, computed now where both are known at trace time."""
+    if _known(count) and isinstance(valid, bool):
+        return count + valid
+    return count + jnp.asarray(valid, jnp.int32)
 
 
 def _vmap(fun: Callable, nbatch: int) -> Callable:

@@ -70,17 +70,27 @@ class LogDict(dict):
     def __repr__(self) -> str:
         return f"LogDict({dict.__repr__(self)}, count={self._count!r})"
 
-    def tree_flatten_with_keys(self):
+    def tree_flatten(self):
         keys = tuple(self)
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
-        children = [(jtu.DictKey(k), self[k]) for k in keys]
-        children += [(jtu.GetAttrKey(f"count[{k!r}]"), self._count[k]) for k in keys]
         row_keys = tuple(k for k in keys if k in self._rows)
-        children += [(jtu.GetAttrKey(f"rows[{k!r}]"), self._rows[k]) for k in row_keys]
+        children = [self[k] for k in keys]
+        children += [self._count[k] for k in keys]
+        children += [self._rows[k] for k in row_keys]
         for name, per_key in step_names:
-            children += [(jtu.GetAttrKey(f"{name}[{k!r}]"), self._steps[name][k]) for k in per_key]
+            children += [self._steps[name][k] for k in per_key]
         reductions = tuple(self._reductions.get(k) for k in keys)
         return children, (keys, step_names, reductions, row_keys)
+
+    def tree_flatten_with_keys(self):
+        children, aux = self.tree_flatten()
+        keys, step_names, _, row_keys = aux
+        paths = [jtu.DictKey(k) for k in keys]
+        paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys]
+        paths += [jtu.GetAttrKey(f"rows[{k!r}]") for k in row_keys]
+        for name, per_key in step_names:
+            paths += [jtu.GetAttrKey(f"{name}[{k!r}]") for k in per_key]
+        return list(zip(paths, children)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):

@@ -1,6 +1,7 @@
 """Policy: which events a spool keeps and how each key is reduced."""
 
 import fnmatch
+import functools
 import zlib
 from collections.abc import Mapping
 from typing import Any
@@ -195,7 +196,14 @@ def with_options(policy: Any, where: str, **options: Any) -> Policy:
     """`policy` (default `Policy()`) with the options that are not None; `where` names the
     caller in the error for anything that is not a Policy."""
     if policy is None:
-        policy = Policy()
+        policy = _default_policy()
     elif not isinstance(policy, Policy):
         raise TypeError(f"{where}(policy=...) takes an eqx_logs.Policy, got {policy!r}.")
+    if all(v is None for v in options.values()):
+        return policy  # `spool(f)` in a loop: building a Policy costs more than the call
     return policy.replace(**options)
+
+
+@functools.cache
+def _default_policy() -> Policy:
+    return Policy()  # immutable, so one is shared

@@ -59,6 +59,14 @@ class AbstractReduction(eqx.Module):
     ) -> PyTree[Array]:
         """Fold in one event. Where `valid` is false the state must be unchanged."""
 
+    def update_many(self, state: PyTree[Array], values: list[PyTree[Array]]) -> PyTree[Array]:
+        """Fold in several events, all valid, in order. Spool folds the events of straight-line
+        code in with one call, when it next needs the state: override this where a block of
+        events costs fewer operations than one `update` each (Stack writes them at once)."""
+        for value in values:
+            state = self.update(state, value, True)
+        return state
+
     @abc.abstractmethod
     def merge(self, a: PyTree[Array], b: PyTree[Array]) -> PyTree[Array]:
         """The state that has seen the events of `a`, then those of `b`."""

@@ -47,10 +47,6 @@ def _split(xs, *sizes):
     return out
 
 
-def _only(states: dict, keys: Iterable[str]) -> dict:
-    return {k: states[k] for k in keys}
-
-
 # -- calls that are inlined: jit, closed_call -------------------------------------------------
 
 
@@ -59,7 +55,7 @@ def _call_count(interp, eqn):
 
 
 def _inline_apply(interp, eqn, invals, states):
-    return interp.eval(_compat.call_jaxpr(eqn), invals, states)
+    return interp.eval(_compat.call_jaxpr(eqn), invals, states, settle=False)
 
 
 register([*_compat.INLINE_CALLS, _compat.CUSTOM_VMAP], _call_count, _inline_apply)
@@ -75,7 +71,7 @@ def _remat_apply(interp, eqn, invals, states):
         return interp.eval(closed, args, sub)
 
     remat = jax.checkpoint(body, **_compat.remat_options(eqn))
-    outs, sub = remat(invals, _only(states, interp.keys(closed)))
+    outs, sub = remat(invals, interp.settle(states, interp.keys(closed)))
     return outs, {**states, **sub}
 
 
@@ -92,7 +88,7 @@ def inline_copy_apply(interp, eqn, invals, states):
     outs = _compat.bind_eqn(_compat.strip_eqn(eqn, is_log, log_effect), invals)
     primal = [lax.stop_gradient(x) for x in invals]
     interp.with_lanes(primal, interp.lanes(invals))
-    _, states = interp.eval(_compat.call_jaxpr(eqn), primal, states)
+    _, states = interp.eval(_compat.call_jaxpr(eqn), primal, states, settle=False)
     return outs, states
 
 
@@ -111,7 +107,7 @@ class _Threaded:
         self.interp, self.eqn = interp, eqn
         self.closed = _compat.call_jaxpr(eqn)
         self.num_consts = eqn.params["num_consts"]
-        sub = interp.threadable(_only(states, interp.keys(self.closed)))
+        sub = interp.threadable(interp.settle(states, interp.keys(self.closed)))
         lanes = interp.lanes(invals[self.num_consts :])
         context, self.static = interp.snapshot()
         extra, self.in_def = jtu.tree_flatten((sub, context, lanes))
@@ -240,7 +236,7 @@ def _linear_solve_apply(interp, eqn, invals, states):
     jaxprs, positions, num_consts = _compat.linear_solve_parts(eqn)
     consts = {name: [invals[i] for i in idx] for name, idx in positions.items()}
     b = list(invals[num_consts:])
-    sub = _only(states, interp.keys(jaxprs["solve"]))
+    sub = interp.settle(states, interp.keys(jaxprs["solve"]))
 
     def run(name, args):
         closed = _compat.strip_jaxpr(jaxprs[name], is_log, log_effect)
@@ -290,7 +286,8 @@ def _hi_count(interp, eqn):
 def _hi_apply(interp, eqn, invals, states):
     forward, n = _hi_forward(interp, eqn)
     outs = _compat.bind_eqn(eqn, invals)
-    _, states = interp.eval(forward, [lax.stop_gradient(x) for x in invals[:n]], states)
+    primal = [lax.stop_gradient(x) for x in invals[:n]]
+    _, states = interp.eval(forward, primal, states, settle=False)
     return outs, states
 
 
@@ -321,7 +318,7 @@ def _scan_apply(interp, eqn, invals, states):
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
         return (values, interp.carried(values, lanes), sub), outs[num_carry:]
 
-    init_sub = _only(states, interp.keys(body))
+    init_sub = interp.settle(states, interp.keys(body))
     carry = (init, interp.carried(init, interp.lanes(init)), init_sub)
     options = _compat.scan_options(eqn)
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
@@ -359,7 +356,7 @@ def _while_apply(interp, eqn, invals, states):
         values, sub = interp.eval(body, [*body_consts, *values], sub)
         return values, interp.lanes_like(values, lanes), sub
 
-    sub = _only(states, keys)
+    sub = interp.settle(states, keys)
     guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
     if not interp.has_log(cond) and not guarded:
         values, _, sub = lax.while_loop(
@@ -441,7 +438,7 @@ def _cond_apply(interp, eqn, invals, states):
         return run
 
     runs = [make(i, b) for i, b in enumerate(branches)]
-    outs, sub = lax.switch(index, runs, ops, interp.lanes(ops), _only(states, keys))
+    outs, sub = lax.switch(index, runs, ops, interp.lanes(ops), interp.settle(states, keys))
     return outs, {**states, **sub}
 
 

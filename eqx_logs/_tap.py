@@ -89,6 +89,10 @@ class _TapInterpreter(Interpreter):
     def threadable(self, states):
         return _dynamic(states)
 
+    def settle(self, states, keys=None, *, arrays=True):
+        del arrays  # counters only, which rules make arrays where they must (`rule`)
+        return dict(states) if keys is None else {k: states[k] for k in keys}
+
     def snapshot(self):
         context, _ = super().snapshot()
         tap = {"guards": self._guards, "tokens": self._loop_tokens, "lanes": self._lanes}
@@ -163,7 +167,7 @@ class _TapInterpreter(Interpreter):
         total: dict[str, int] = {}
         for eqn in _compat.unpack(closed)[0].eqns:
             if is_log(eqn):
-                if not self.policy.selects(eqn.params["tags"]):
+                if not self.selects(eqn.params["tags"]):
                     continue
                 groups = self._groups_of(eqn)
                 if groups and (eqn.params["masked"] or INTERVAL_STEP in eqn.params["steps"]):
@@ -257,7 +261,7 @@ class _TapInterpreter(Interpreter):
 
     def _event(self, eqn, invals, states):
         params = eqn.params
-        if not self.policy.selects(params["tags"]):
+        if not self.selects(params["tags"]):
             rebind(eqn, invals, self.lane_mask())  # not ours: an enclosing one's
             return
         if self._silent:  # the interval skips this event
