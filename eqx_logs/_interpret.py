@@ -723,9 +723,11 @@ class Interpreter:
                     "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
                     "`lax.fori_loop` with static bounds."
                 ) from None
-            state[channel] = lane_state if not batch else jtu.tree_map(
-                lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
-            )
+            if batch:
+                lane_state = jtu.tree_map(
+                    lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
+                )
+            state[channel] = lane_state
         state["value"] = info.shard_like_values(state["value"])
         return state
 
