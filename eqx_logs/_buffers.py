@@ -23,6 +23,13 @@ def _check_capacity(name: str, capacity: Any) -> None:
     check_count(name, "capacity", capacity, optional=True)
 
 
+def _write(buf: Array, rows: Array, start: Any) -> Array:
+    """`rows` written into `buf` from row `start` (never negative: no wrap-around to
+    compute)."""
+    starts = (start, *(0,) * (buf.ndim - 1))
+    return jax.lax.dynamic_update_slice(buf, rows, starts, allow_negative_indices=False)
+
+
 def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
     fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
     return jnp.full((n, *leaf.shape), fill, leaf.dtype)
@@ -78,11 +85,20 @@ class Stack(AbstractReduction):
             v = jnp.asarray(v, buf.dtype)
             if valid is not True:
                 v = jnp.where(valid, v, buf[jnp.minimum(position, size - 1)])
-            zeros = (0,) * v.ndim
-            return jax.lax.dynamic_update_slice(buf, v[None], (position, *zeros))
+            return _write(buf, v[None], position)
 
         buffers = jtu.tree_map(write, state["buffer"], value)
         return {"buffer": buffers, "index": index + jnp.asarray(valid, jnp.int32)}
+
+    def init_many(self, struct, max_events, values):
+        size = self.capacity if self.capacity is not None else max_events
+        if len(values) != size:
+            return super().init_many(struct, max_events, values)
+        # exactly filled: the buffer is the events (cast to the recorded dtypes)
+        block = jtu.tree_map(
+            lambda s, *vs: jnp.stack([jnp.asarray(v, s.dtype) for v in vs]), struct, *values
+        )
+        return {"buffer": block, "index": np.asarray(size, np.int32)}
 
     def update_many(self, state, values):
         index = state["index"]
@@ -101,7 +117,7 @@ class Stack(AbstractReduction):
             block = jnp.stack([jnp.asarray(v, buf.dtype) for v in vs])
             if known and int(index) == 0 and len(vs) == size:
                 return block
-            return jax.lax.dynamic_update_slice(buf, block, (index, *(0,) * (buf.ndim - 1)))
+            return _write(buf, block, index)
 
         buffers = jtu.tree_map(write, state["buffer"], *values)
         return {"buffer": buffers, "index": index + len(values)}
@@ -218,7 +234,7 @@ class Sample(AbstractReduction):
             v = jnp.asarray(v, buf.dtype)
             i = jnp.minimum(slot, self.k - 1)
             new = jnp.where(write, v, buf[i])
-            return jax.lax.dynamic_update_slice(buf, new[None], (i, *(0,) * v.ndim))
+            return _write(buf, new[None], i)
 
         buffer = jtu.tree_map(put, stack["buffer"], value)
         filled = jnp.minimum(seen + jnp.asarray(valid, jnp.int32), self.k)

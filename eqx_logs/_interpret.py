@@ -301,6 +301,7 @@ class Interpreter:
         self._lane_values: dict[int, tuple[Any, Any]] = {}  # id(x) -> (x, its lane value)
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
         self._selects: dict[tuple[str, ...], bool] = {}
+        self._bounds: dict[str, int | None] = {}  # key -> bound on its (kept) events
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         """`self.policy.selects(tags)`, cached: called for every log equation."""
@@ -640,8 +641,11 @@ class Interpreter:
 
     def _settle_channel(self, key: str, channel: str, state: Any, arrays: bool) -> Any:
         if isinstance(state, _Pending):
-            update_many = self._channels[key][channel].update_many
-            state = _vmap(update_many, self.info[key].nbatch)(state.state, list(state.events))
+            if state.state is _FRESH:
+                state = self._empty(key, channel, state.events)
+            else:
+                update_many = self._channels[key][channel].update_many
+                state = _vmap(update_many, self.info[key].nbatch)(state.state, list(state.events))
             # states take no gradient: one stop per leaf, where the events need one each
             state = _stop_gradient(state)
         return jtu.tree_map(_as_array, state) if arrays else state
@@ -702,34 +706,54 @@ class Interpreter:
         info = self.info[key]
         if bound is not None:
             bound = -(-bound // self.policy.interval)  # a ceiling that stays symbolic
-        lane = {"value": info.lane_struct()}
-        for name, s in info.steps.items():
-            lane[f"step:{name}"] = jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)
-        batch = info.batch_shape()
+        self._bounds[key] = bound
         # counters are numpy values while they are known at trace time: straight-line events
         # are counted (and selected by `interval`) without an operation
-        state = {"count": np.zeros(batch, np.int32)}
+        state = {"count": np.zeros(info.batch_shape(), np.int32)}
         if self.policy.interval > 1:
-            state["seen"] = np.zeros(batch, np.int32)
-        for channel, reduction in self._channels[key].items():
-            try:
-                lane_state = reduction.init(lane[channel], bound)
-            except NeedsBound:
-                raise ValueError(
-                    f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
-                    f"{_site_list(info.sites)}), so its number of events has no static bound and "
-                    f"{type(reduction).__name__} cannot allocate its buffer without one. Pass a "
-                    "capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last'), "
-                    "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
-                    "`lax.fori_loop` with static bounds."
-                ) from None
-            if batch:
-                lane_state = jtu.tree_map(
-                    lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), lane_state
-                )
-            state[channel] = lane_state
-        state["value"] = info.shard_like_values(state["value"])
+            state["seen"] = np.zeros(info.batch_shape(), np.int32)
+        for channel in self._channels[key]:
+            if bound is None:  # made now: a reduction that needs a bound says so now
+                state[channel] = self._empty(key, channel)
+            else:  # made with the first events (`AbstractReduction.init_many`)
+                state[channel] = _Pending(_FRESH, ())
         return state
+
+    def _lane_struct(self, key: str, channel: str) -> Any:
+        """The structure of one lane of one event of `key` in `channel`."""
+        info = self.info[key]
+        if channel == "value":
+            return info.lane_struct()
+        s = info.steps[channel.removeprefix("step:")]
+        return jax.ShapeDtypeStruct(s.shape[info.nbatch :], s.dtype)
+
+    def _empty(self, key: str, channel: str, events: Sequence[Any] = ()) -> Any:
+        """A new state of `key` in `channel`, with `events` (all kept) folded in."""
+        info, reduction = self.info[key], self._channels[key][channel]
+        struct, bound = self._lane_struct(key, channel), self._bounds[key]
+        batch = info.batch_shape()
+        try:
+            if events:
+                init = functools.partial(reduction.init_many, struct, bound)
+                state = _vmap(init, info.nbatch)(list(events))
+            else:
+                state = reduction.init(struct, bound)
+                if batch:
+                    state = jtu.tree_map(lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), state)
+        except NeedsBound:
+            raise ValueError(
+                f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
+                f"{_site_list(info.sites)}), so its number of events has no static bound and "
+                f"{type(reduction).__name__} cannot allocate its buffer without one. Pass a "
+                "capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last'), "
+                "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
+                "`lax.fori_loop` with static bounds."
+            ) from None
+        return info.shard_like_values(state) if channel == "value" else state
+
+
+# A channel state not made yet (`Interpreter._init`).
+_FRESH = object()
 
 
 class _Pending:

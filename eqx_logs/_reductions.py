@@ -59,6 +59,16 @@ class AbstractReduction(eqx.Module):
     ) -> PyTree[Array]:
         """Fold in one event. Where `valid` is false the state must be unchanged."""
 
+    def init_many(
+        self,
+        struct: PyTree[jax.ShapeDtypeStruct],
+        max_events: int | None,
+        values: list[PyTree[Array]],
+    ) -> PyTree[Array]:
+        """`init` followed by `update_many`: the first events of straight-line code. Override
+        it where that costs less than making the empty state first (Stack, filled at once)."""
+        return self.update_many(self.init(struct, max_events), values)
+
     def update_many(self, state: PyTree[Array], values: list[PyTree[Array]]) -> PyTree[Array]:
         """Fold in several events, all valid, in order. Spool folds the events of straight-line
         code in with one call, when it next needs the state: override this where a block of
