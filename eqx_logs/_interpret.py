@@ -29,6 +29,7 @@ from . import _compat, _lanes
 from ._buffers import NeedsBound
 from ._deferred import Lazy, Producers, force, log_only
 from ._logdict import LogDict
+from ._methods import method
 from ._policy import Policy
 from ._primitive import is_log, log_effect, rebind
 
@@ -301,13 +302,22 @@ class Interpreter:
         self._lane_values: dict[int, tuple[Any, Any]] = {}  # id(x) -> (x, its lane value)
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
         self._selects: dict[tuple[str, ...], bool] = {}
+        self._reduction_of: dict[tuple[str, Any], Any] = {}
         self._bounds: dict[str, int | None] = {}  # key -> bound on its (kept) events
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         """`self.policy.selects(tags)`, cached: called for every log equation."""
         hit = self._selects.get(tags)
         if hit is None:
-            hit = self._selects[tags] = self.policy.selects(tags)
+            hit = self._selects[tags] = method(self.policy, "selects")(tags)
+        return hit
+
+    def reduction_of(self, key: str, site_reduce: Any = None) -> Any:
+        """`self.policy.reduction(key, site_reduce)`, cached."""
+        hit = self._reduction_of.get((key, site_reduce))
+        if hit is None:
+            hit = method(self.policy, "reduction")(key, site_reduce)
+            self._reduction_of[(key, site_reduce)] = hit
         return hit
 
     # -- first pass ---------------------------------------------------------------------
@@ -588,7 +598,7 @@ class Interpreter:
         return event
 
     def _dropped(self, key: str) -> bool:
-        return isinstance(self.policy.reduction(key), str)
+        return isinstance(self.reduction_of(key), str)
 
     def _gate(
         self, key: str, state: dict[str, Any], steps: dict[str, Any], mask: Any
@@ -635,7 +645,7 @@ class Interpreter:
                 state[channel] = _Pending(base, (*events, event[channel]))
             else:
                 s = self._settle_channel(key, channel, s, arrays=False)
-                update = _vmap(reduction.update, self.info[key].nbatch)
+                update = _vmap(method(reduction, "update"), self.info[key].nbatch)
                 state[channel] = update(s, _stop_gradient(event[channel]), valid)
         return state
 
@@ -644,7 +654,7 @@ class Interpreter:
             if state.state is _FRESH:
                 state = self._empty(key, channel, state.events)
             else:
-                update_many = self._channels[key][channel].update_many
+                update_many = method(self._channels[key][channel], "update_many")
                 state = _vmap(update_many, self.info[key].nbatch)(state.state, list(state.events))
             # states take no gradient: one stop per leaf, where the events need one each
             state = _stop_gradient(state)
@@ -673,10 +683,10 @@ class Interpreter:
         self._channels = {}
         for key in counts:
             info = self.info[key]
-            reduction = self.policy.reduction(key, info.site_reduce(key))
+            reduction = self.reduction_of(key, info.site_reduce(key))
             if not isinstance(reduction, str):  # "drop"
                 self._reductions[key] = reduction
-                step = reduction.step_reduction()
+                step = method(reduction, "step_reduction")()
                 self._channels[key] = {
                     "value": reduction,
                     **{f"step:{n}": step for n in info.steps},
@@ -692,10 +702,10 @@ class Interpreter:
             count[name] = state["count"]
             names[name] = type(reduction).__name__
             if reduction.event_axes:
-                rows[name] = _vmap(reduction.rows, nbatch)(state["value"])
+                rows[name] = _vmap(method(reduction, "rows"), nbatch)(state["value"])
             for channel, reduction in self._channels[key].items():
-                out = _vmap(reduction.finalize, nbatch)(state[channel])
-                out = reduction.place_batch_axes(out, nbatch)
+                out = _vmap(method(reduction, "finalize"), nbatch)(state[channel])
+                out = method(reduction, "place_batch_axes")(out, nbatch)
                 if channel == "value":
                     values[name] = out
                 else:
@@ -734,10 +744,10 @@ class Interpreter:
         batch = info.batch_shape()
         try:
             if events:
-                init = functools.partial(reduction.init_many, struct, bound)
+                init = functools.partial(method(reduction, "init_many"), struct, bound)
                 state = _vmap(init, info.nbatch)(list(events))
             else:
-                state = reduction.init(struct, bound)
+                state = method(reduction, "init")(struct, bound)
                 if batch:
                     state = jtu.tree_map(lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), state)
         except NeedsBound:

@@ -67,14 +67,16 @@ class AbstractReduction(eqx.Module):
     ) -> PyTree[Array]:
         """`init` followed by `update_many`: the first events of straight-line code. Override
         it where that costs less than making the empty state first (Stack, filled at once)."""
-        return self.update_many(self.init(struct, max_events), values)
+        cls = type(self)
+        return cls.update_many(self, cls.init(self, struct, max_events), values)
 
     def update_many(self, state: PyTree[Array], values: list[PyTree[Array]]) -> PyTree[Array]:
         """Fold in several events, all valid, in order. Spool folds the events of straight-line
         code in with one call, when it next needs the state: override this where a block of
         events costs fewer operations than one `update` each (Stack writes them at once)."""
+        update = type(self).update  # not `self.update`: a Module per access (`_methods.py`)
         for value in values:
-            state = self.update(state, value, True)
+            state = update(self, state, value, True)
         return state
 
     @abc.abstractmethod

@@ -111,7 +111,7 @@ class _TapInterpreter(Interpreter):
 
     def run(self, closed: Any, args: Any) -> list[Any]:
         counts = self.count(closed)
-        kept = [k for k in counts if not isinstance(self.policy.reduction(k), str)]
+        kept = [k for k in counts if not isinstance(self.reduction_of(k), str)]
         # Keys logged by exactly the same log equations always have the same number of events,
         # so they share one event counter: fewer scalar ops in every loop iteration.
         groups: dict[frozenset, str] = {}
