@@ -122,6 +122,15 @@ class Stack(AbstractReduction):
         buffers = jtu.tree_map(write, state["buffer"], *values)
         return {"buffer": buffers, "index": index + len(values)}
 
+    def extend(self, state, block):
+        """`update_many` with the events stacked along a leading axis, all of them kept."""
+        index = state["index"]
+        n = jtu.tree_leaves(block)[0].shape[0]
+        buffers = jtu.tree_map(
+            lambda buf, b: _write(buf, b.astype(buf.dtype), index), state["buffer"], block
+        )
+        return {"buffer": buffers, "index": index + n}
+
     def merge(self, a, b):
         # Replay b's stored events, oldest first, into a.
         stored = self.finalize(b)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import PartitionSpec
 
 from . import _compat, _lanes
-from ._buffers import NeedsBound
+from ._buffers import NeedsBound, Stack
 from ._deferred import Lazy, Producers, force, log_only
 from ._logdict import LogDict
 from ._methods import method
@@ -651,6 +651,7 @@ class Interpreter:
 
     def _settle_channel(self, key: str, channel: str, state: Any, arrays: bool) -> Any:
         if isinstance(state, _Pending):
+            assert state.state is not _STREAM, key  # taken out by the scan rule
             if state.state is _FRESH:
                 state = self._empty(key, channel, state.events)
             else:
@@ -671,6 +672,85 @@ class Interpreter:
             k: {c: self._settle_channel(k, c, s, arrays) for c, s in states[k].items()}
             for k in keys
         }
+
+    # -- events a loop streams out -------------------------------------------------------
+    # A key whose events in a scan body are all kept for sure (no cond, mask or interval
+    # decides them), the same number in every iteration, and stacked (Stack, the default),
+    # leaves the scan as its `ys`, as by hand: no buffer in the carry, no write per iteration.
+
+    def streamed(self, body: Any, length: Any) -> dict[str, int]:
+        """The keys `body` can stream out (see above), with their events per iteration."""
+        if self.policy.interval != 1 or self._lane_guards or not isinstance(length, int):
+            return {}
+        per_iteration: dict[str, int] = {}
+        excluded: set[str] = set()
+        for eqn in _compat.unpack(body)[0].eqns:
+            if is_log(eqn):
+                if not self.selects(eqn.params["tags"]):
+                    continue
+                for key in self._keys_of(eqn):
+                    if eqn.params["masked"] or self.info[key].lanes_as_events:
+                        excluded.add(key)
+                    per_iteration[key] = per_iteration.get(key, 0) + 1
+            elif self.eqn_has_log(eqn):
+                excluded.update(self.rule(eqn).count(self, eqn))
+        return {
+            k: n
+            for k, n in per_iteration.items()
+            if k not in excluded
+            and k in self._reductions
+            and all(_streams(r) for r in self._channels[k].values())
+        }
+
+    def _keys_of(self, eqn: _compat.JaxprEqn) -> list[str]:
+        treedef = eqn.params["treedef"]
+        return list(jtu.tree_unflatten(treedef, [None] * treedef.num_leaves))
+
+    def stream_state(self, key: str) -> dict[str, Any]:
+        """The state a streamed key starts every iteration with."""
+        state = {"count": np.zeros(self.info[key].batch_shape(), np.int32)}
+        return state | {channel: _Pending(_STREAM, ()) for channel in self._channels[key]}
+
+    def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
+        """The events of one iteration of a streamed key, stacked per channel."""
+        out = {}
+        for channel in self._channels[key]:
+            pending = state[channel]
+            assert isinstance(pending, _Pending) and pending.state is _STREAM, key
+            out[channel] = _stop_gradient(jtu.tree_map(lambda *v: jnp.stack(v), *pending.events))
+        return out
+
+    def add_stream(
+        self, key: str, state: dict[str, Any], ys: dict[str, Any], reverse: bool
+    ) -> dict[str, Any]:
+        """`state` after the events a scan streamed out: `ys`, per channel, shaped
+        `(iterations, events per iteration, *batch, ...)`."""
+        state = dict(state)
+        nbatch = self.info[key].nbatch
+        n = None
+        for channel, block in ys.items():
+
+            def flat(x):
+                x = jnp.flip(x, 0) if reverse else x  # execution order
+                x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+                return jnp.moveaxis(x, 0, nbatch)  # the lanes' layout: batch axes first
+
+            block = jtu.tree_map(flat, block)
+            n = jtu.tree_leaves(block)[0].shape[nbatch]
+            old = state[channel]
+            batch = self.info[key].batch_shape()
+            if isinstance(old, _Pending) and old.state is _FRESH and not old.events:
+                if n == self._bounds[key]:  # the events are the whole buffer
+                    state[channel] = {"buffer": block, "index": np.full(batch, n, np.int32)}
+                    continue
+            old = self._settle_channel(key, channel, old, arrays=False)
+            extend = method(self._channels[key][channel], "extend")
+            state[channel] = _vmap(extend, nbatch)(old, block)
+        if n is not None:
+            state["count"] = _plus(state["count"], n)
+        if isinstance(state["value"], dict) and "buffer" in state["value"]:
+            state["value"] = self.info[key].shard_like_values(state["value"])
+        return state
 
     # -- the whole program ----------------------------------------------------------------
 
@@ -777,6 +857,15 @@ class _Pending:
         self.state, self.events = state, events
 
 
+# Where a streamed key's events start in a scan body (`Interpreter.streamed`).
+_STREAM = object()
+
+
+def _streams(reduction: Any) -> bool:
+    """Whether a channel's events can leave a scan as its `ys`: stacked in full."""
+    return type(reduction) is Stack and reduction.capacity is None and reduction.keep == "first"
+
+
 def _known(x: Any) -> bool:
     """Whether `x` is a value known at trace time (a numpy counter, see `Interpreter._init`)."""
     return isinstance(x, np.ndarray | np.generic)
@@ -798,7 +887,7 @@ def _stop_gradient(tree: Any) -> Any:
 
 def _plus(count: Any, valid: Any) -> Any:
     """`count + valid`, computed now where both are known at trace time."""
-    if _known(count) and isinstance(valid, bool):
+    if _known(count) and isinstance(valid, bool | int):
         return count + valid
     return count + jnp.asarray(valid, jnp.int32)
 

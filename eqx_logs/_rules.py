@@ -306,26 +306,37 @@ def _scan_count(interp, eqn):
 def _scan_apply(interp, eqn, invals, states):
     body, num_consts, num_carry = _compat.scan_parts(eqn)
     consts, init, xs = _split(invals, num_consts, num_carry)
+    options = _compat.scan_options(eqn)
+    # keys whose events leave as `ys` (`Interpreter.streamed`), the others ride in the carry
+    init_lanes = interp.lanes(init)
+    streamed = {} if init_lanes else interp.streamed(body, options["length"])
+    carried = [k for k in interp.keys(body) if k not in streamed]
 
     def step(carry, x):
         values, lanes, sub = carry
         live = interp.in_step(values, lanes)  # see _while_apply
         interp.with_lanes(values, lanes)
+        sub = {**sub, **{k: interp.stream_state(k) for k in streamed}}
         with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
-            outs, sub = interp.eval(body, [*consts, *values, *x], sub)
+            outs, sub = interp.eval(body, [*consts, *values, *x], sub, settle=False)
+        events = {k: interp.stream_events(k, sub.pop(k)) for k in streamed}
         values = outs[:num_carry]
         new_lanes = interp.lanes_like(values, lanes)
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
-        return (values, interp.carried(values, lanes), sub), outs[num_carry:]
+        return (values, interp.carried(values, lanes), interp.settle(sub)), (
+            outs[num_carry:],
+            events,
+        )
 
-    init_sub = interp.settle(states, interp.keys(body))
-    carry = (init, interp.carried(init, interp.lanes(init)), init_sub)
-    options = _compat.scan_options(eqn)
+    carry = (init, interp.carried(init, init_lanes), interp.settle(states, carried))
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
-    (values, lanes, sub), ys = lax.scan(step, carry, xs, **options)
+    (values, lanes, sub), (ys, events) = lax.scan(step, carry, xs, **options)
     interp.with_lanes(values, lanes)
-    return [*values, *ys], {**states, **sub}
+    states = {**states, **sub}
+    for k, block in events.items():
+        states[k] = interp.add_stream(k, states[k], block, options["reverse"])
+    return [*values, *ys], states
 
 
 register(_compat.SCAN, _scan_count, _scan_apply)
