@@ -126,9 +126,13 @@ class Stack(AbstractReduction):
         """`update_many` with the events stacked along a leading axis, all of them kept."""
         index = state["index"]
         n = jtu.tree_leaves(block)[0].shape[0]
-        buffers = jtu.tree_map(
-            lambda buf, b: _write(buf, b.astype(buf.dtype), index), state["buffer"], block
-        )
+
+        def write(buf, rows):
+            # more rows than the buffer has only where they can never be written (a scan of
+            # length 0 still traces its body)
+            return _write(buf, rows[: buf.shape[0]].astype(buf.dtype), index)
+
+        buffers = jtu.tree_map(write, state["buffer"], block)
         return {"buffer": buffers, "index": index + n}
 
     def merge(self, a, b):

@@ -712,19 +712,24 @@ class Interpreter:
         return state | {channel: _Pending(_STREAM, ()) for channel in self._channels[key]}
 
     def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
-        """The events of one iteration of a streamed key, stacked per channel."""
+        """The events of one iteration of a streamed key, per channel: stacked, or the one
+        event itself."""
         out = {}
         for channel in self._channels[key]:
             pending = state[channel]
             assert isinstance(pending, _Pending) and pending.state is _STREAM, key
-            out[channel] = _stop_gradient(jtu.tree_map(lambda *v: jnp.stack(v), *pending.events))
+            events = pending.events
+            if len(events) > 1:
+                events = [jtu.tree_map(lambda *v: jnp.stack(v), *events)]
+            out[channel] = _stop_gradient(events[0])
         return out
 
     def add_stream(
-        self, key: str, state: dict[str, Any], ys: dict[str, Any], reverse: bool
+        self, key: str, state: dict[str, Any], ys: dict[str, Any], per_iteration: int, reverse: bool
     ) -> dict[str, Any]:
         """`state` after the events a scan streamed out: `ys`, per channel, shaped
-        `(iterations, events per iteration, *batch, ...)`."""
+        `(iterations, events per iteration, *batch, ...)`, without the second axis for one
+        event per iteration."""
         state = dict(state)
         nbatch = self.info[key].nbatch
         n = None
@@ -732,7 +737,8 @@ class Interpreter:
 
             def flat(x):
                 x = jnp.flip(x, 0) if reverse else x  # execution order
-                x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+                if per_iteration > 1:
+                    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
                 return jnp.moveaxis(x, 0, nbatch)  # the lanes' layout: batch axes first
 
             block = jtu.tree_map(flat, block)

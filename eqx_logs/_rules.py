@@ -335,7 +335,7 @@ def _scan_apply(interp, eqn, invals, states):
     interp.with_lanes(values, lanes)
     states = {**states, **sub}
     for k, block in events.items():
-        states[k] = interp.add_stream(k, states[k], block, options["reverse"])
+        states[k] = interp.add_stream(k, states[k], block, streamed[k], options["reverse"])
     return [*values, *ys], states
 
 

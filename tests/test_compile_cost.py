@@ -1,0 +1,258 @@
+"""What spool adds to the traced program: straight-line events folded in once, scans that
+stream their events out as `ys`, counters known at trace time. Values against numpy or the
+same program threaded by hand; program sizes against the hand-written program's."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+
+import eqx_logs
+from eqx_logs import _compat
+
+pytestmark = pytest.mark.fast
+
+
+def _eqns(jaxpr) -> list:
+    """Every equation, recursively through sub-jaxprs (a jit counts as its body)."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name not in ("pjit", "jit"):
+            out.append(eqn)
+        for sub in _compat.sub_jaxprs(eqn.params):
+            out += _eqns(_compat.unpack(sub)[0])
+    return out
+
+
+def _primitives(fun, *args) -> list[str]:
+    return [e.primitive.name for e in _eqns(jax.make_jaxpr(fun)(*args).jaxpr)]
+
+
+def test_straight_line_events_cost_about_what_stacking_by_hand_costs():
+    def f(x, log=True):
+        outs = []
+        for _ in range(40):
+            x = jnp.sin(x)
+            if log:
+                eqx_logs.log({"a": x, "b": x.sum()})
+            else:
+                outs.append(x)
+                outs.append(x.sum())
+        return x if log else (x, jnp.stack(outs[::2]), jnp.stack(outs[1::2]))
+
+    x = jnp.arange(3.0)
+    spooled = _primitives(eqx_logs.spool(f), x)
+    hand = _primitives(lambda x: f(x, log=False), x)
+    # per key: the stack and one stop_gradient; no counter or buffer write per event
+    assert len(spooled) <= len(hand) + 4, (len(spooled), len(hand))
+    assert "dynamic_update_slice" not in spooled
+    out, logs = eqx_logs.spool(f)(x)
+    _, a, b = f(x, log=False)
+    assert_close(logs["a"], a)
+    assert_close(logs["b"], b)
+    assert int(logs.count["a"]) == 40 and int(logs.rows["b"]) == 40
+
+
+def test_interval_in_straight_line_code_is_decided_at_trace_time():
+    def f(x):
+        for i in range(10):
+            eqx_logs.log({"a": x + i})
+        return x
+
+    x = jnp.float32(1.0)
+    out, logs = eqx_logs.spool(f, interval=3)(x)
+    assert_close(logs["a"], [1.0, 4.0, 7.0, 10.0])
+    assert int(logs.count["a"]) == 4
+    assert "cond" not in _primitives(eqx_logs.spool(f, interval=3), x)
+
+
+class _Product(eqx_logs.AbstractReduction):
+    """A reduction without `update_many`: spool folds straight-line events one by one."""
+
+    def init(self, struct, max_events):
+        return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), struct)
+
+    def update(self, state, value, valid):
+        return jax.tree.map(lambda s, v: jnp.where(valid, s * v, s), state, value)
+
+    def merge(self, a, b):
+        return jax.tree.map(jnp.multiply, a, b)
+
+    def finalize(self, state):
+        return state
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max", "last", "first", "sum", "var", "product"])
+def test_straight_line_events_with_every_kind_of_reduction(reduce):
+    values = np.array([0.5, 2.0, -1.0, 3.0, 1.5], np.float32)
+
+    def f(x):
+        for v in values:
+            eqx_logs.log({"a": x * v})
+        # a branch in the middle folds the events so far in, then more follow
+        x = jax.lax.cond(x > 0, lambda x: x + 0.0, lambda x: x, x)
+        eqx_logs.log({"a": x * 4.0})
+        return x
+
+    r = _Product() if reduce == "product" else reduce
+    _, logs = eqx_logs.spool(f, reduce=r)(jnp.float32(1.0))
+    events = np.append(values, 4.0)
+    want = {
+        "mean": events.mean(),
+        "max": events.max(),
+        "last": events[-1],
+        "first": events[0],
+        "sum": events.sum(),
+        "var": events.var(),
+        "product": events.prod(),
+    }[reduce]
+    assert_close(logs["a"], want)
+    assert int(logs.count["a"]) == 6
+
+
+def _scan_program(length, per_iteration, reverse, batched, log=True):
+    """A scan logging `per_iteration` events of "h" per step (under vmap if `batched`), with
+    events of "h" before and after the scan; returns the events by hand when `log` is False."""
+
+    def inner(c, x):
+        events = []
+        for j in range(per_iteration):
+            c = jnp.sin(c + x) * (j + 1)
+            if log:
+                eqx_logs.log({"h": c}, step=x.astype(jnp.int32))
+            events.append(c)
+        return c, jnp.stack(events)
+
+    def f(c0, xs):
+        if log:
+            eqx_logs.log({"h": c0 * 0.5})
+        body = jax.vmap(inner, in_axes=(0, None)) if batched else inner
+        c, ys = jax.lax.scan(body, c0, xs, reverse=reverse)
+        if log:
+            eqx_logs.log({"h": c})
+            return c
+        if batched:  # (length, batch, per_iteration, ...) -> (length, per_iteration, batch, ...)
+            ys = jnp.swapaxes(ys, 1, 2)
+        ys = jnp.flip(ys, 0) if reverse else ys
+        ys = ys.reshape(length * per_iteration, *ys.shape[2:])
+        return c, jnp.concatenate([c0[None] * 0.5, ys, c[None]])
+
+    return f
+
+
+@pytest.mark.parametrize("per_iteration", [1, 3])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("batched", [False, True])
+def test_scan_streams_its_events_out_as_by_hand(per_iteration, reverse, batched):
+    length = 4
+    c0 = jnp.linspace(0.1, 0.4, 2 if batched else 1).reshape(-1) if batched else jnp.float32(0.3)
+    xs = jnp.arange(length, dtype=jnp.float32)
+    f = _scan_program(length, per_iteration, reverse, batched)
+    out, logs = eqx_logs.spool(f)(c0, xs)
+    want_out, want = _scan_program(length, per_iteration, reverse, batched, log=False)(c0, xs)
+    assert_close(out, want_out)
+    assert_close(logs["h"], want)
+    assert int(np.max(logs.count["h"])) == length * per_iteration + 2
+    steps = np.asarray(logs.step["h"])
+    order = np.arange(length)[::-1] if reverse else np.arange(length)
+    np.testing.assert_array_equal(steps[1:-1].reshape(length, per_iteration, -1)[:, 0, 0], order)
+
+
+def test_a_scan_that_only_logs_carries_no_buffer():
+    def f(xs):
+        def body(c, x):
+            c = c + x
+            eqx_logs.log({"c": c, "x2": x * 2})
+            return c, None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    xs = jnp.arange(5.0)
+    names = _primitives(eqx_logs.spool(f), xs)
+    assert "dynamic_update_slice" not in names and "scatter" not in names
+    _, logs = eqx_logs.spool(f)(xs)
+    assert_close(logs["c"], np.cumsum(np.arange(5.0)))
+    assert_close(logs["x2"], np.arange(5.0) * 2)
+
+
+def test_a_scan_with_conditional_events_keeps_them_in_its_carry():
+    def f(xs):
+        def body(c, x):
+            c = c + x
+            jax.lax.cond(x > 1, lambda: eqx_logs.log({"c": c}), lambda: None)
+            eqx_logs.log({"always": c})
+            return c, None
+
+        return jax.lax.scan(body, 0.0, xs)[0]
+
+    xs = jnp.arange(5.0)
+    _, logs = eqx_logs.spool(f)(xs)
+    assert int(logs.count["c"]) == 3
+    assert_close(logs["c"][:3], np.cumsum(np.arange(5.0))[2:])
+    assert_close(logs["always"], np.cumsum(np.arange(5.0)))
+
+
+def test_streamed_scan_under_grad_and_interval():
+    def loss(w, xs):
+        def body(c, x):
+            c = jnp.tanh(w * c + x)
+            eqx_logs.log({"c": c})
+            return c, None
+
+        return jax.lax.scan(body, 0.1, xs)[0]
+
+    xs = jnp.linspace(0.0, 1.0, 6)
+
+    def hand(w):
+        c, cs = 0.1, []
+        for x in np.asarray(xs):
+            c = np.tanh(w * c + x)
+            cs.append(c)
+        return np.array(cs, np.float32)
+
+    grad, logs = jax.grad(
+        lambda w: (lambda o: (o[0], o[1]))(eqx_logs.spool(loss)(w, xs)), has_aux=True
+    )(0.7)
+    assert_close(logs["c"], hand(0.7))
+    assert_close(grad, jax.grad(loss)(0.7, xs))
+    _, logs = eqx_logs.spool(loss, interval=2)(0.7, xs)
+    assert_close(logs["c"], hand(0.7)[::2])
+
+
+def test_eager_spool_does_not_retrace_for_a_new_module_of_the_same_structure():
+    traces = []
+
+    class Model(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            traces.append(None)
+            eqx_logs.log({"y": self.w * x})
+            return self.w * x
+
+    x = jnp.ones(3)
+    for i in range(3):
+        _, logs = eqx_logs.spool(Model(jnp.full(3, float(i))))(x)
+        assert_close(logs["y"], np.full((1, 3), float(i)))
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("outer", [0, 2])
+def test_streamed_inner_scan_inside_a_scan_of_any_length(outer):
+    def f(x):
+        def inner(c, _):
+            eqx_logs.log({"a": c})
+            return c + 1.0, None
+
+        def body(c, _):
+            eqx_logs.log({"b": c})
+            return jax.lax.scan(inner, c, None, length=2)[0], None
+
+        return jax.lax.scan(body, x, None, length=outer)[0]
+
+    out, logs = eqx_logs.spool(f)(jnp.float32(0.0))
+    assert_close(out, 2.0 * outer)
+    assert_close(logs["a"], np.arange(2.0 * outer))
+    assert_close(logs["b"], 2.0 * np.arange(outer))
