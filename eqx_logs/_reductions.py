@@ -183,6 +183,12 @@ class Sum(AbstractReduction):
     def update(self, state, value, valid):
         return jtu.tree_map(lambda s, v: s + jnp.where(valid, v, 0).astype(s.dtype), state, value)
 
+    def update_many(self, state, values):
+        def add(s, *vs):
+            return s + jnp.sum(jnp.stack([jnp.asarray(v, s.dtype) for v in vs]), axis=0)
+
+        return jtu.tree_map(add, state, *values)
+
     def merge(self, a, b):
         return jtu.tree_map(jnp.add, a, b)
 
@@ -222,6 +228,13 @@ class Mean(AbstractReduction):
 
         mean = _select(valid, jtu.tree_map(step, state["mean"], value), state["mean"])
         return {"mean": mean, "count": count}
+
+    def update_many(self, state, values):
+        def mean(m, *vs):
+            return jnp.mean(jnp.stack([jnp.asarray(v, m.dtype) for v in vs]), axis=0)
+
+        block = {"mean": jtu.tree_map(mean, state["mean"], *values), "count": len(values)}
+        return Mean.merge(self, state, block)  # `self.merge`: a Module per access
 
     def merge(self, a, b):
         count = a["count"] + b["count"]
