@@ -40,6 +40,7 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_tap.py
 	.venv/bin/python benchmarks/bench_diffrax.py
 	.venv/bin/python benchmarks/bench_interval.py
+	.venv/bin/python benchmarks/bench_compile.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks

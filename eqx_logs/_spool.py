@@ -112,7 +112,7 @@ class _Spooled(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
-        return _spool_call(self.fun, self.policy, self.keep, current_prefix(), args, kwargs)
+        return _spool_call((self, current_prefix()), args, kwargs)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -145,10 +145,10 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
 
 @eqx.filter_jit
-def _spool_call(fun, policy, keep, scope, args, kwargs):
-    del scope  # part of the cache key only
-    closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    outs, logs = Interpreter(policy, RULES, keep=keep).run(closed, flat)
+def _spool_call(spooled_in_scope, args, kwargs):  # few parameters: eqx binds them per call
+    spooled, _ = spooled_in_scope  # the scope is part of the cache key only
+    closed, flat, rebuild = trace_filtered(spooled.fun, args, kwargs)
+    outs, logs = Interpreter(spooled.policy, RULES, keep=spooled.keep).run(closed, flat)
     return rebuild(outs), logs
 
 
