@@ -680,7 +680,9 @@ class Interpreter:
 
     def streamed(self, body: Any, length: Any) -> dict[str, int]:
         """The keys `body` can stream out (see above), with their events per iteration."""
-        if self.policy.interval != 1 or self._lane_guards or not isinstance(length, int):
+        if not self._reductions or self.policy.interval != 1 or self._lane_guards:
+            return {}  # (no states at all: `_masking`'s interpreter only re-binds logs)
+        if not isinstance(length, int):
             return {}
         per_iteration: dict[str, int] = {}
         excluded: set[str] = set()
@@ -689,6 +691,8 @@ class Interpreter:
                 if not self.selects(eqn.params["tags"]):
                     continue
                 for key in self._keys_of(eqn):
+                    if key not in self._reductions:
+                        continue
                     if eqn.params["masked"] or self.info[key].lanes_as_events:
                         excluded.add(key)
                     per_iteration[key] = per_iteration.get(key, 0) + 1

@@ -256,3 +256,23 @@ def test_streamed_inner_scan_inside_a_scan_of_any_length(outer):
     assert_close(out, 2.0 * outer)
     assert_close(logs["a"], np.arange(2.0 * outer))
     assert_close(logs["b"], 2.0 * np.arange(outer))
+
+
+def test_scan_in_a_branch_of_a_batched_cond():
+    # under vmap the cond becomes a select of both branches, each re-evaluated with its logs
+    # masked: the scan inside streams nothing there
+    def f(x):
+        def body(c, _):
+            eqx_logs.log({"a": c})
+            return c + 1.0, None
+
+        def scan(x):
+            return jax.lax.scan(body, x, None, length=2)[0]
+
+        return jax.lax.cond(x > 0, scan, lambda x: x, x)
+
+    out, logs = eqx_logs.spool(jax.vmap(f))(jnp.array([-1.0, 1.0]))
+    assert_close(out, [-1.0, 3.0])
+    np.testing.assert_array_equal(logs.count["a"], [0, 2])
+    assert_close(logs["a"][:, 1], [1.0, 2.0])
+    assert np.all(np.isnan(logs["a"][:, 0]))
