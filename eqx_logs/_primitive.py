@@ -103,6 +103,13 @@ def _log_jvp(primals, tangents, **params):
     return [], []
 
 
+def _leading(x: Any, dim: Any, size: int) -> Any:
+    """`x` with its batch axis `dim` first, or broadcast along a new one if unbatched."""
+    if dim is _compat.not_mapped:
+        return jnp.broadcast_to(x, (size, *x.shape))
+    return x if dim == 0 else jnp.moveaxis(x, dim, 0)
+
+
 def _log_batch(args, dims, *, treedef, nbatch, **params):
     """A key whose leaves (and the call's steps and mask) are all unbatched stays unbatched;
     the others get a leading batch axis, unbatched leaves broadcast. So a key's layout does
@@ -125,10 +132,7 @@ def _log_batch(args, dims, *, treedef, nbatch, **params):
         if not want:
             log_p.bind(*ops, treedef=sub, nbatch=nbatch, **params)
             continue
-        moved = [
-            jnp.moveaxis(a, dims[i], 0) if mapped[i] else jnp.broadcast_to(a, (size, *a.shape))
-            for a, i in zip(ops, [*leaves, *rest])
-        ]
+        moved = [_leading(a, dims[i], size) for a, i in zip(ops, [*leaves, *rest])]
         log_p.bind(*moved, treedef=sub, nbatch=nbatch + 1, **params)
     return [], []
 
