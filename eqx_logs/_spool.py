@@ -111,6 +111,10 @@ class _Spooled(eqx.Module):
         return self.fun
 
     def __call__(self, *args, **kwargs):
+        if _under_a_trace((self, args, kwargs)):
+            # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
+            # nested jit would be traced, then differentiated or batched, again)
+            return _spool_run(self, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         return _spool_call((self, current_prefix()), args, kwargs)
 
@@ -144,12 +148,20 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
     return closed, flat, rebuild
 
 
-@eqx.filter_jit
-def _spool_call(spooled_in_scope, args, kwargs):  # few parameters: eqx binds them per call
-    spooled, _ = spooled_in_scope  # the scope is part of the cache key only
+def _under_a_trace(tree: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
+
+
+def _spool_run(spooled: "_Spooled", args, kwargs):
     closed, flat, rebuild = trace_filtered(spooled.fun, args, kwargs)
     outs, logs = Interpreter(spooled.policy, RULES, keep=spooled.keep).run(closed, flat)
     return rebuild(outs), logs
+
+
+@eqx.filter_jit
+def _spool_call(spooled_in_scope, args, kwargs):  # few parameters: eqx binds them per call
+    spooled, _ = spooled_in_scope  # the scope is part of the cache key only
+    return _spool_run(spooled, args, kwargs)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
