@@ -59,7 +59,9 @@ def spool(
     execution order, `logs.count[key]` is the number of real events.
 
     Arguments are filtered as by `eqx.filter_jit`: arrays are traced, everything else is
-    static. The spooled function is compiled and cached per static arguments and input shapes.
+    static. Called eagerly, the spooled function is compiled and cached per static arguments
+    and input shapes; called on traced arguments (inside `jax.jit`, `jax.grad`, `jax.vmap`),
+    it is evaluated in that trace.
 
     !!! example
 
@@ -111,7 +113,7 @@ class _Spooled(eqx.Module):
         return self.fun
 
     def __call__(self, *args, **kwargs):
-        if _under_a_trace((self, args, kwargs)):
+        if _under_a_trace((args, kwargs)):
             # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
             # nested jit would be traced, then differentiated or batched, again)
             return _spool_run(self, args, kwargs)
