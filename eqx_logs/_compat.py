@@ -220,6 +220,11 @@ def unpack(closed: Any) -> tuple[Jaxpr, list[Any]]:
     return closed, list(getattr(closed, "consts", ()))  # jax 0.12, or an open jaxpr
 
 
+def is_traced(tree: Any) -> bool:
+    """Whether a leaf of `tree` is a tracer: the call is inside `jit`, `grad` or `vmap`."""
+    return any(isinstance(x, _core.Tracer) for x in _tree_leaves(tree))
+
+
 def is_jaxpr(x: Any) -> bool:
     return isinstance(x, _closed_types)
 

@@ -701,12 +701,11 @@ class Interpreter:
         return {
             k: n
             for k, n in per_iteration.items()
-            if k not in excluded
-            and k in self._reductions
-            and all(_streams(r) for r in self._channels[k].values())
+            if k not in excluded and all(_streams(r) for r in self._channels[k].values())
         }
 
     def _keys_of(self, eqn: _compat.JaxprEqn) -> list[str]:
+        """The keys a log equation logs."""
         treedef = eqn.params["treedef"]
         return list(jtu.tree_unflatten(treedef, [None] * treedef.num_leaves))
 

@@ -9,7 +9,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _masking  # noqa: F401  (registers the batching rules for masked events)
+from . import _compat, _masking  # noqa: F401  (registers the batching rules for masked events)
 from ._interpret import Interpreter
 from ._logdict import LogDict
 from ._policy import Policy, with_options
@@ -113,7 +113,7 @@ class _Spooled(eqx.Module):
         return self.fun
 
     def __call__(self, *args, **kwargs):
-        if _under_a_trace((args, kwargs)):
+        if _compat.is_traced((args, kwargs)):
             # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
             # nested jit would be traced, then differentiated or batched, again)
             return _spool_run(self, args, kwargs)
@@ -148,10 +148,6 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
         return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
 
     return closed, flat, rebuild
-
-
-def _under_a_trace(tree: Any) -> bool:
-    return any(isinstance(x, jax.core.Tracer) for x in jtu.tree_leaves(tree))
 
 
 def _spool_run(spooled: "_Spooled", args, kwargs):

@@ -162,7 +162,7 @@ class _TapInterpreter(Interpreter):
         return keys
 
     def _groups_of(self, eqn) -> list[str]:
-        keys = jtu.tree_unflatten(eqn.params["treedef"], [0] * eqn.params["treedef"].num_leaves)
+        keys = self._keys_of(eqn)
         return list(dict.fromkeys(self._group[k] for k in keys if k in self._reductions))
 
     def _per_iteration(self, closed: Any) -> dict[str, int] | None:

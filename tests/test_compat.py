@@ -91,3 +91,19 @@ def test_hoisting_detection_finds_jax_functions():
     # If JAX renames these, the loop-invariant hoisting guard would silently stop working.
     assert len(_compat._hoisting_codes) >= 1
     assert len(_compat._splitting_codes) >= 3
+
+
+def test_is_traced_sees_tracers_of_every_transformation():
+    from eqx_logs import _compat
+
+    x = jnp.ones(2)
+    assert not _compat.is_traced((x, {"a": 1.0}))
+    for transform in (jax.jit, jax.grad, jax.vmap):
+        seen = []
+
+        def f(y):
+            seen.append(_compat.is_traced(([y], {})))
+            return y.sum()
+
+        transform(f)(x)
+        assert seen == [True]
