@@ -23,6 +23,11 @@ def _check_capacity(name: str, capacity: Any) -> None:
     check_count(name, "capacity", capacity, optional=True)
 
 
+def _cast(x: Any, dtype: Any) -> Array:
+    """`x` as an array of `dtype`, with no operation where it is one already."""
+    return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
+
+
 def _write(buf: Array, rows: Array, start: Any) -> Array:
     """`rows` written into `buf` from row `start` (never negative: no wrap-around to
     compute)."""
@@ -96,7 +101,7 @@ class Stack(AbstractReduction):
             return super().init_many(struct, max_events, values)
         # exactly filled: the buffer is the events (cast to the recorded dtypes)
         block = jtu.tree_map(
-            lambda s, *vs: jnp.stack([jnp.asarray(v, s.dtype) for v in vs]), struct, *values
+            lambda s, *vs: jnp.stack([_cast(v, s.dtype) for v in vs]), struct, *values
         )
         return {"buffer": block, "index": np.asarray(size, np.int32)}
 

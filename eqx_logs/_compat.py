@@ -225,6 +225,12 @@ def is_traced(tree: Any) -> bool:
     return any(isinstance(x, _core.Tracer) for x in _tree_leaves(tree))
 
 
+def staging() -> bool:
+    """Whether the current trace builds a jaxpr (`jax.jit`, `make_jaxpr`, a loop body), rather
+    than differentiating, batching or running the operations bound in it."""
+    return type(_core.trace_ctx.trace) is _pe.DynamicJaxprTrace
+
+
 def is_jaxpr(x: Any) -> bool:
     return isinstance(x, _closed_types)
 
@@ -242,6 +248,10 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Evaluate one equation in the current trace, exactly as `jax.core.eval_jaxpr` does."""
+    if staging() and not eqn.effects:
+        out = _emit(_core.trace_ctx.trace, eqn, invals)
+        if out is not None:
+            return out
     bind_params = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(bind_params, tuple):  # jax <= 0.11: (subfuns, params)
         subfuns, bind_params = bind_params
@@ -254,6 +264,24 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     ):
         out = eqn.primitive.bind(*subfuns, *invals, **bind_params)
     return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _emit(trace: Any, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
+    """Stage `eqn` into the jaxpr being built, as `jax.jit` inlines a jaxpr: with the types
+    the equation already has, so without running its abstract evaluation or staging rule
+    again. None where an operand's type differs from the equation's (then it is bound)."""
+    if eqn.primitive.ref_allocating:
+        return None
+    name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+    src = eqn.source_info.replace(name_stack=name_stack)
+    tracers = []
+    for v, x in zip(eqn.invars, invals):
+        t = trace.to_jaxpr_tracer(x, src)
+        if t.aval != v.aval:
+            return None
+        tracers.append(t)
+    avals = [v.aval for v in eqn.outvars]
+    return trace.emit_eqn(tracers, avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx)
 
 
 _package_dir = os.path.dirname(os.path.abspath(__file__))

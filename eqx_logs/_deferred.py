@@ -11,6 +11,10 @@ skipped, so that XLA runs the computation only for kept events.
 from collections.abc import Callable
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from . import _compat
 
 Producers = dict[Any, tuple[int, _compat.JaxprEqn]]  # var -> (position, equation making it)
@@ -60,8 +64,13 @@ class Lazy:
 
     def value(self, memo: dict[Any, Any] | None) -> Any:
         """Evaluate in the current trace; results are kept in `memo` (None: in the jaxpr's
-        environment, for a value forced where the jaxpr is being evaluated)."""
+        environment, for a value forced where the jaxpr is being evaluated).
+
+        Logged values take no gradient, so under `grad` (or any trace that is not building a
+        jaxpr) the computation reads its inputs through `stop_gradient`: it is not
+        differentiated, just computed."""
         memo = self.env if memo is None else memo
+        stop = not _compat.staging()
         needed, stack = {}, [self.var]
         while stack:
             v = stack.pop()
@@ -74,16 +83,27 @@ class Lazy:
             stack.extend(u for u in eqn.invars if not isinstance(u, _compat.Literal))
         for i in sorted(needed):
             eqn = needed[i]
-            invals = [self._read(u, memo) for u in eqn.invars]
+            invals = [self._read(u, memo, stop) for u in eqn.invars]
             for v, x in zip(eqn.outvars, _compat.bind_eqn(eqn, invals)):
                 if not isinstance(v, _compat.DropVar):
                     memo[v] = x
-        return self._read(self.var, memo)
+        return self._read(self.var, memo, stop)
 
-    def _read(self, v: Any, memo: dict[Any, Any]) -> Any:
+    def _read(self, v: Any, memo: dict[Any, Any], stop: bool) -> Any:
         if isinstance(v, _compat.Literal):
             return v.val
-        return memo[v] if v in memo else self.env[v]
+        if not stop or v in self.producers:  # computed here, or where the jaxpr is evaluated
+            return memo[v] if v in memo else self.env[v]
+        key = ("stopped", v)  # an input of the log-only computation, read once
+        if key not in memo:
+            memo[key] = stop_gradient(self.env[v])
+        return memo[key]
+
+
+def stop_gradient(x: Any) -> Any:
+    """`lax.stop_gradient(x)` where `x` is a traced inexact array; `x` otherwise."""
+    inexact = isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact)
+    return lax.stop_gradient(x) if inexact else x
 
 
 def force(values: list[Any], memo: dict[Any, Any] | None = None) -> list[Any]:

@@ -27,7 +27,7 @@ from jax.sharding import PartitionSpec
 
 from . import _compat, _lanes
 from ._buffers import NeedsBound, Stack
-from ._deferred import Lazy, Producers, force, log_only
+from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
 from ._policy import Policy
@@ -595,7 +595,9 @@ class Interpreter:
         for name, s in info.steps.items():
             step = steps[name] if name in steps else jnp.full(s.shape, -1, s.dtype)
             event[f"step:{name}"] = jnp.asarray(step, s.dtype)
-        return event
+        # events take no gradient: under `grad`, stopped now, so that nothing stacks or reduces
+        # them under differentiation (in a jaxpr being built, one stop per state suffices)
+        return event if _compat.staging() else _stop_gradient(event)
 
     def _dropped(self, key: str) -> bool:
         return isinstance(self.reduction_of(key), str)
@@ -885,13 +887,9 @@ def _as_array(x: Any) -> Any:
 
 
 def _stop_gradient(tree: Any) -> Any:
-    """`lax.stop_gradient` of the traced inexact leaves of `tree`."""
+    """`lax.stop_gradient` of the traced inexact leaves of `tree` (the others take none)."""
 
-    def stop(x):
-        inexact = not _known(x) and jnp.issubdtype(jnp.result_type(x), jnp.inexact)
-        return lax.stop_gradient(x) if inexact else x
-
-    return jtu.tree_map(stop, tree)
+    return jtu.tree_map(stop_gradient, tree)
 
 
 def _plus(count: Any, valid: Any) -> Any:
