@@ -681,13 +681,16 @@ class Interpreter:
     # leaves the scan as its `ys`, as by hand: no buffer in the carry, no write per iteration.
 
     def streamed(self, body: Any, length: Any) -> dict[str, int]:
-        """The keys `body` can stream out (see above), with their events per iteration."""
+        """The keys `body` can stream out (see above), with their events per iteration. The
+        events of a scan nested in `body` that streams them count too, as one block (where no
+        lane value can reach that scan, see `_lanes.py`: a lane guard would mask them)."""
         if not self._reductions or self.policy.interval != 1 or self._lane_guards:
             return {}  # (no states at all: `_masking`'s interpreter only re-binds logs)
         if not isinstance(length, int):
             return {}
         per_iteration: dict[str, int] = {}
         excluded: set[str] = set()
+        nested = not self._lane_values and not _lanes.has_lanes(body, nested=True)
         for eqn in _compat.unpack(body)[0].eqns:
             if is_log(eqn):
                 if not self.selects(eqn.params["tags"]):
@@ -699,7 +702,14 @@ class Interpreter:
                         excluded.add(key)
                     per_iteration[key] = per_iteration.get(key, 0) + 1
             elif self.eqn_has_log(eqn):
-                excluded.update(self.rule(eqn).count(self, eqn))
+                inner = {}
+                if nested and eqn.primitive.name == _compat.SCAN:
+                    inner_body, _, _ = _compat.scan_parts(eqn)
+                    inner_length = _compat.scan_options(eqn)["length"]
+                    inner = self.streamed(inner_body, inner_length)
+                    for key, n in inner.items():
+                        per_iteration[key] = per_iteration.get(key, 0) + n * inner_length
+                excluded.update(k for k in self.rule(eqn).count(self, eqn) if k not in inner)
         return {
             k: n
             for k, n in per_iteration.items()
@@ -724,6 +734,16 @@ class Interpreter:
             pending = state[channel]
             assert isinstance(pending, _Pending) and pending.state is _STREAM, key
             events = pending.events
+            if any(isinstance(e, _Block) for e in events):  # a nested scan's events among them
+                # (a block left its scan stopped already)
+                parts = [
+                    e.events if isinstance(e, _Block) else _one_row(_stop_gradient(e))
+                    for e in events
+                ]
+                out[channel] = jtu.tree_map(lambda *v: jnp.concatenate(v), *parts)
+                if sum(_rows_of(p) for p in parts) == 1:
+                    out[channel] = jtu.tree_map(lambda x: x[0], out[channel])
+                continue
             if len(events) > 1:
                 events = [jtu.tree_map(lambda *v: jnp.stack(v), *events)]
             out[channel] = _stop_gradient(events[0])
@@ -744,11 +764,16 @@ class Interpreter:
                 x = jnp.flip(x, 0) if reverse else x  # execution order
                 if per_iteration > 1:
                     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-                return jnp.moveaxis(x, 0, nbatch)  # the lanes' layout: batch axes first
+                return x
 
             block = jtu.tree_map(flat, block)
-            n = jtu.tree_leaves(block)[0].shape[nbatch]
+            n = jtu.tree_leaves(block)[0].shape[0]
             old = state[channel]
+            if isinstance(old, _Pending) and old.state is _STREAM:  # an outer scan streams on
+                state[channel] = _Pending(_STREAM, (*old.events, _Block(block)))
+                continue
+            # the lanes' layout: batch axes first
+            block = jtu.tree_map(lambda x: jnp.moveaxis(x, 0, nbatch), block)
             batch = self.info[key].batch_shape()
             if isinstance(old, _Pending) and old.state is _FRESH and not old.events:
                 if n == self._bounds[key]:  # the events are the whole buffer
@@ -870,6 +895,24 @@ class _Pending:
 
 # Where a streamed key's events start in a scan body (`Interpreter.streamed`).
 _STREAM = object()
+
+
+class _Block:
+    """Among a streamed key's pending events: those a nested scan streamed out, stacked on a
+    leading axis (`Interpreter.add_stream`)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: Any):
+        self.events = events
+
+
+def _one_row(event: Any) -> Any:
+    return jtu.tree_map(lambda x: lax.expand_dims(x, (0,)), event)
+
+
+def _rows_of(block: Any) -> int:
+    return jtu.tree_leaves(block)[0].shape[0]
 
 
 def _streams(reduction: Any) -> bool:

@@ -94,15 +94,17 @@ class LogDict(dict):
 
     @classmethod
     def tree_unflatten(cls, aux, children):
+        # without `__init__`'s copies: JAX and Equinox unflatten an output several times a call
         keys, step_names, reductions, row_keys = aux
         n = len(keys)
-        values = dict(zip(keys, children[:n]))
-        count = dict(zip(keys, children[n : 2 * n]))
+        self = cls.__new__(cls)
+        dict.update(self, zip(keys, children[:n]))
+        self._count = dict(zip(keys, children[n : 2 * n]))
         rest = iter(children[2 * n :])
-        rows = {k: next(rest) for k in row_keys}
-        steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
-        named = {k: r for k, r in zip(keys, reductions) if r is not None}
-        return cls(values, count=count, steps=steps, reductions=named, rows=rows)
+        self._rows = {k: next(rest) for k in row_keys}
+        self._steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
+        self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
+        return self
 
 
 def _serialize_aux(aux) -> bytes:

@@ -276,3 +276,155 @@ def test_scan_in_a_branch_of_a_batched_cond():
     np.testing.assert_array_equal(logs.count["a"], [0, 2])
     assert_close(logs["a"][:, 1], [1.0, 2.0])
     assert np.all(np.isnan(logs["a"][:, 0]))
+
+
+def _nested_program(lengths, reverses, before, after, *, log=True):
+    """Scans nested `len(lengths)` deep; each body logs "h" before (`before`) and after
+    (`after`) the scan nested in it. With `log` False: a numpy run returning the events in
+    execution order."""
+
+    def step(c, x, depth):
+        return np.sin(c) + x * 0.1 * (depth + 1)
+
+    if not log:
+
+        def run(c, depth, events):
+            order = range(lengths[depth])[::-1] if reverses[depth] else range(lengths[depth])
+            for x in order:
+                c = step(c, np.float32(x), depth)
+                if before:
+                    events.append(c)
+                if depth + 1 < len(lengths):
+                    c = run(c, depth + 1, events)
+                if after:
+                    events.append(2 * c)
+            return c
+
+        def oracle(c0):
+            events = []
+            c = run(np.asarray(c0, np.float64), 0, events)
+            return c, np.stack(events)
+
+        return oracle
+
+    def level(depth):
+        def body(c, x):
+            c = jnp.sin(c) + x * 0.1 * (depth + 1)
+            if before:
+                eqx_logs.log({"h": c})
+            if depth + 1 < len(lengths):
+                xs = jnp.arange(lengths[depth + 1], dtype=jnp.float32)
+                c = jax.lax.scan(level(depth + 1), c, xs, reverse=reverses[depth + 1])[0]
+            if after:
+                eqx_logs.log({"h": 2 * c})
+            return c, None
+
+        return body
+
+    def f(c0):
+        xs = jnp.arange(lengths[0], dtype=jnp.float32)
+        return jax.lax.scan(level(0), c0, xs, reverse=reverses[0])[0]
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "lengths, reverses, before, after",
+    [
+        ((3, 2), (False, False), False, True),  # the inner scan's block only
+        ((3, 2), (True, False), True, True),  # single, block, single per outer iteration
+        ((2, 3, 2), (False, True, True), True, False),
+        ((2, 1, 1), (False, False, False), False, True),  # one event per iteration, in a block
+        ((2, 3, 2), (True, True, False), True, True),
+    ],
+)
+def test_nested_scans_stream_through_every_level(lengths, reverses, before, after):
+    f = _nested_program(lengths, reverses, before, after)
+    c0 = jnp.linspace(0.1, 0.5, 3)
+    out, logs = eqx_logs.spool(f)(c0)
+    want_out, want = _nested_program(lengths, reverses, before, after, log=False)(c0)
+    assert_close(out, want_out)
+    assert_close(logs["h"], want)
+    assert int(logs.count["h"]) == len(want)
+    # nothing written into a buffer: every level returns its events as `ys`
+    names = _primitives(eqx_logs.spool(f), c0)
+    assert "dynamic_update_slice" not in names and "scatter" not in names
+    # and the same under vmap, the batch axis first
+    c0s = jnp.stack([c0, c0 + 1.0])
+    outs, logs = jax.vmap(eqx_logs.spool(f))(c0s)
+    for i in range(2):
+        want_out, want = _nested_program(lengths, reverses, before, after, log=False)(c0s[i])
+        assert_close(outs[i], want_out)
+        assert_close(logs["h"][i], want)
+
+
+def test_nested_scan_with_conditional_events_streams_only_what_is_kept_for_sure():
+    # "c" is logged under a cond in the outer body: it rides in the outer carry, while the
+    # inner scan still streams it; "h" streams through both levels
+    def f(c0):
+        def inner(c, x):
+            c = jnp.sin(c) + x
+            eqx_logs.log({"h": c, "c": -c})
+            return c, None
+
+        def outer(c, x):
+            jax.lax.cond(x > 0, lambda: eqx_logs.log({"c": c}), lambda: None)
+            c = jax.lax.scan(inner, c, jnp.arange(2.0))[0]
+            return c, None
+
+        return jax.lax.scan(outer, c0, jnp.arange(3.0))[0]
+
+    _, logs = eqx_logs.spool(f)(jnp.float32(0.2))
+    c, h, cs = np.float32(0.2), [], []
+    for x in range(3):
+        if x > 0:
+            cs.append(c)
+        for y in range(2):
+            c = np.sin(c) + y
+            h.append(c)
+            cs.append(-c)
+    assert_close(logs["h"], np.array(h))
+    assert int(logs.count["c"]) == len(cs)
+    assert_close(logs["c"][: len(cs)], np.array(cs))
+
+
+def test_nested_scan_after_an_equinox_loop_under_vmap():
+    # a vmapped Equinox while loop gives values lane values; a scan nested after it in the
+    # body is not streamed through the outer scan, and the events stay right
+    def f(c0):
+        def inner(carry, x):
+            c, flag = carry
+            c = c + x + flag
+            eqx_logs.log({"h": c})
+            return (c, flag), None
+
+        def outer(c, _):
+            n = eqx.internal.while_loop(
+                lambda n: n < c,
+                lambda n: n + 1.0,
+                jnp.float32(0.0),
+                max_steps=8,
+                kind="checkpointed",
+            )
+            eqx_logs.log({"n": n})
+            # a carry with a lane value: the inner scan guards its events with it
+            flag = eqx.internal.unvmap_any(c > 100.0).astype(jnp.float32)
+            c = jax.lax.scan(inner, (c + n, flag), jnp.arange(2.0))[0][0]
+            return c, None
+
+        return jax.lax.scan(outer, c0, None, length=2)[0]
+
+    c0s = jnp.array([0.5, 2.5])
+    _, logs = jax.vmap(eqx_logs.spool(f))(c0s)
+    for i, c0 in enumerate(np.asarray(c0s)):
+        c, h, ns = c0, [], []
+        for _ in range(2):
+            n = float(np.ceil(max(c, 0.0))) if c > 0 else 0.0
+            n = min(n, 8.0)
+            ns.append(n)
+            c = c + n
+            for y in range(2):
+                c = c + y
+                h.append(c)
+        assert_close(logs["h"][i], np.array(h, np.float32))
+        assert_close(logs["n"][i], np.array(ns, np.float32))
