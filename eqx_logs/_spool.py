@@ -1,6 +1,7 @@
 """The public transforms: `spool` and `nolog`."""
 
 import functools
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -118,7 +119,8 @@ class _Spooled(eqx.Module):
             # nested jit would be traced, then differentiated or batched, again)
             return _spool_run(self, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
-        return _spool_call((self, current_prefix()), args, kwargs)
+        static, dynamic = _split(self)
+        return _spool_call((static, current_prefix(), dynamic), args, kwargs)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -156,10 +158,41 @@ def _spool_run(spooled: "_Spooled", args, kwargs):
     return rebuild(outs), logs
 
 
+class _Static:
+    """The static part of a spooled function: hashed once, compared by identity first."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value: Any):
+        self.value, self._hash = value, hash(value)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Static) and (
+            self.value is other.value or self.value == other.value
+        )
+
+
+# `_Spooled` -> its static part and its arrays, split once per object: an eager call then
+# passes `eqx.filter_jit` one static leaf instead of the function's and policy's pytrees.
+_SPLITS: "weakref.WeakKeyDictionary[_Spooled, tuple[_Static, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _split(spooled: "_Spooled") -> tuple[_Static, Any]:
+    hit = _SPLITS.get(spooled)
+    if hit is None:
+        dynamic, static = eqx.partition((spooled.fun, spooled.policy), eqx.is_array)
+        hit = _SPLITS[spooled] = (_Static((static, spooled.keep)), dynamic)
+    return hit
+
+
 @eqx.filter_jit
-def _spool_call(spooled_in_scope, args, kwargs):  # few parameters: eqx binds them per call
-    spooled, _ = spooled_in_scope  # the scope is part of the cache key only
-    return _spool_run(spooled, args, kwargs)
+def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
+    static, _, dynamic = parts  # the scope (the middle part) is in the cache key only
+    (fun, policy), keep = eqx.combine(dynamic, static.value[0]), static.value[1]
+    return _spool_run(_Spooled(fun, policy, keep), args, kwargs)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:

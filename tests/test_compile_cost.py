@@ -2,6 +2,8 @@
 stream their events out as `ys`, counters known at trace time. Values against numpy or the
 same program threaded by hand; program sizes against the hand-written program's."""
 
+from collections.abc import Callable
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -428,3 +430,35 @@ def test_nested_scan_after_an_equinox_loop_under_vmap():
                 h.append(c)
         assert_close(logs["h"][i], np.array(h, np.float32))
         assert_close(logs["n"][i], np.array(ns, np.float32))
+
+
+def test_eager_spool_sees_changes_made_to_the_spooled_function_by_tree_at():
+    # eager calls split the spooled function into its static part and its arrays once per
+    # object: a changed copy (eqx.tree_at) is a new object, split again
+    traces = []
+
+    class Layer(eqx.Module):
+        w: jax.Array
+        act: Callable
+
+        def __call__(self, x):
+            traces.append(None)
+            y = self.act(self.w * x)
+            eqx_logs.log({"y": y})
+            return y
+
+    x = jnp.linspace(0.0, 1.0, 3)
+    spooled = eqx_logs.spool(Layer(jnp.full(3, 2.0), jnp.sin))
+    _, logs = spooled(x)
+    assert_close(logs["y"], np.sin(2.0 * np.asarray(x))[None])
+    new_w = eqx.tree_at(lambda s: s.fun.w, spooled, jnp.full(3, 3.0))
+    _, logs = new_w(x)
+    assert_close(logs["y"], np.sin(3.0 * np.asarray(x))[None])
+    assert len(traces) == 1  # new arrays, same static part: no retrace
+    new_act = eqx.tree_at(lambda s: s.fun.act, spooled, jnp.cos)
+    _, logs = new_act(x)
+    assert_close(logs["y"], np.cos(2.0 * np.asarray(x))[None])
+    assert len(traces) == 2
+    _, logs = spooled(x)  # the first one is unchanged
+    assert_close(logs["y"], np.sin(2.0 * np.asarray(x))[None])
+    assert len(traces) == 2
