@@ -333,7 +333,11 @@ class Interpreter:
     def eqn_has_log(self, eqn: _compat.JaxprEqn) -> bool:
         if log_effect in eqn.effects:
             return True
-        return any(self.has_log(sub) for sub in _compat.sub_jaxprs(eqn.params))
+        hit = self._has_log.get(id(eqn))  # (logs where the effect is not declared: custom rules)
+        if hit is None:
+            found = any(self.has_log(sub) for sub in _compat.sub_jaxprs(eqn.params))
+            hit = self._has_log[id(eqn)] = (eqn, found)
+        return hit[1]
 
     def count(self, closed: Any) -> Counts:
         """Static bound on the number of selected events per key in `closed`."""
