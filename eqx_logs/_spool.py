@@ -117,7 +117,7 @@ class _Spooled(eqx.Module):
         if _compat.is_traced((args, kwargs)):
             # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
             # nested jit would be traced, then differentiated or batched, again)
-            return _spool_run(self, args, kwargs)
+            return _spool_run(self.fun, self.policy, self.keep, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         static, dynamic = _split(self)
         return _spool_call((static, current_prefix(), dynamic), args, kwargs)
@@ -152,9 +152,9 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
     return closed, flat, rebuild
 
 
-def _spool_run(spooled: "_Spooled", args, kwargs):
-    closed, flat, rebuild = trace_filtered(spooled.fun, args, kwargs)
-    outs, logs = Interpreter(spooled.policy, RULES, keep=spooled.keep).run(closed, flat)
+def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
+    closed, flat, rebuild = trace_filtered(fun, args, kwargs)
+    outs, logs = Interpreter(policy, RULES, keep=keep).run(closed, flat)
     return rebuild(outs), logs
 
 
@@ -184,15 +184,17 @@ def _split(spooled: "_Spooled") -> tuple[_Static, Any]:
     hit = _SPLITS.get(spooled)
     if hit is None:
         dynamic, static = eqx.partition((spooled.fun, spooled.policy), eqx.is_array)
-        hit = _SPLITS[spooled] = (_Static((static, spooled.keep)), dynamic)
+        leaves, treedef = jtu.tree_flatten(static)  # hashed as `eqx.filter_jit` hashes it
+        hit = _SPLITS[spooled] = (_Static((tuple(leaves), treedef, spooled.keep)), dynamic)
     return hit
 
 
 @eqx.filter_jit
 def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     static, _, dynamic = parts  # the scope (the middle part) is in the cache key only
-    (fun, policy), keep = eqx.combine(dynamic, static.value[0]), static.value[1]
-    return _spool_run(_Spooled(fun, policy, keep), args, kwargs)
+    leaves, treedef, keep = static.value
+    fun, policy = eqx.combine(dynamic, jtu.tree_unflatten(treedef, leaves))
+    return _spool_run(fun, policy, keep, args, kwargs)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
