@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from jax import lax as _lax
 from jax._src import (
     ad_checkpoint as _ad_checkpoint,
     ad_util as _ad_util,
@@ -338,6 +339,7 @@ INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call
 # already applied the rule).
 CUSTOM_VMAP = "custom_vmap_call"
 SCAN = "scan"
+SHARD_MAP = "shard_map"  # `jax.shard_map`, and `jax.pmap` (a jit of a shard_map)
 WHILE = "while"
 COND = "cond"
 REMAT = frozenset({"remat2", "checkpoint", "remat"})
@@ -352,6 +354,26 @@ def call_jaxpr(eqn: JaxprEqn) -> Any:
         if name in eqn.params:
             return eqn.params[name]
     raise NotImplementedError(f"eqx_logs: cannot find the jaxpr of {eqn.primitive.name}")
+
+
+def shard_map_parts(eqn: JaxprEqn) -> tuple[Any, Any, tuple, tuple, tuple[str, ...], bool]:
+    """A shard_map's body (a jaxpr without constants), mesh, in and out specs (one per operand
+    and result), its manual axes in mesh order, and `check_vma`."""
+    p = eqn.params
+    mesh = p["mesh"]
+    manual = p["newly_manual_axes"] if "newly_manual_axes" in p else p["manual_axes"]
+    axes = tuple(name for name in mesh.axis_names if name in manual)
+    check = p["check_vma"] if "check_vma" in p else p["check_rep"]
+    return p["jaxpr"], mesh, tuple(p["in_specs"]), tuple(p["out_specs"]), axes, check
+
+
+def vary(x: Any, axes: tuple[str, ...]) -> Any:
+    """`x` varying over the manual mesh `axes` (in a `shard_map` with `check_vma`), as a value
+    computed from a device's own data is; a constant or a `psum` is not. States a loop carries
+    there keep one type however the events they take in vary."""
+    varying = _core.typeof(x).mat.varying
+    missing = tuple(a for a in axes if a not in varying)
+    return _lax.pcast(x, missing, to="varying") if missing else x
 
 
 def scan_parts(eqn: JaxprEqn) -> tuple[Any, int, int]:

@@ -59,6 +59,9 @@ class _KeyInfo:
     # Sites logged the key under vmaps of different sizes (`lax.map(..., batch_size=k)` with a
     # remainder): then each lane of each event is an event of its own, in lane order.
     lanes_as_events: bool = False
+    # The manual mesh axes (`jax.shard_map`, `jax.pmap`) the key is logged under: its leading
+    # batch axes, one per mesh axis, as `vmap`'s (see `Interpreter.manual`).
+    mesh: tuple[str, ...] = ()
 
     def to_lanes_as_events(self) -> None:
         batch = self.batch_shape()
@@ -304,6 +307,42 @@ class Interpreter:
         self._selects: dict[tuple[str, ...], bool] = {}
         self._reduction_of: dict[tuple[str, Any], Any] = {}
         self._bounds: dict[str, int | None] = {}  # key -> bound on its (kept) events
+        self._mesh: tuple[tuple[str, int], ...] = ()  # manual mesh axes here, with sizes
+        self._vary: tuple[str, ...] = ()  # those of them whose values' variation JAX checks
+
+    @contextlib.contextmanager
+    def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False):
+        """Inside the body of a `shard_map` over `axes` (names and sizes): the events of a key
+        logged there are one device's, and its states are that device's block of the key's
+        states, whose leading batch axes are the mesh axes (of size 1 here)."""
+        outer = self._mesh, self._vary
+        self._mesh = self._mesh + axes
+        if check_vma:
+            self._vary = self._vary + tuple(name for name, _ in axes)
+        try:
+            yield
+        finally:
+            self._mesh, self._vary = outer
+
+    def batch_shape(self, key: str) -> tuple[int, ...]:
+        """The batch shape of `key`'s states here: the mesh axes of a `shard_map` being
+        evaluated have size 1 (each device holds its own block)."""
+        batch = self.info[key].batch_shape()
+        n = len(self._mesh) if self.info[key].mesh else 0
+        return (1,) * n + batch[n:]
+
+    def _fit(self, key: str, mask: Any) -> Any:
+        """`_lanes.fit` for `key`'s batch here: a mask has no mesh axes (one device's)."""
+        n = len(self._mesh) if self.info[key].mesh else 0
+        return self._lead(key, _lanes.fit(mask, self.batch_shape(key)[n:]))
+
+    def _lead(self, key: str, x: Any) -> Any:
+        """A value of one device's event of `key` with the mesh axes put first (size 1), and
+        varying over them: the device's own."""
+        n = len(self._mesh) if self.info[key].mesh else 0
+        if n == 0:
+            return x
+        return _compat.vary(lax.expand_dims(x, tuple(range(n))), self._vary)
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         """`self.policy.selects(tags)`, cached: called for every log equation."""
@@ -369,6 +408,12 @@ class Interpreter:
         """The keys with a state (selected, not dropped) logged in `closed`."""
         return tuple(k for k in self.count(closed) if k in self._reductions)
 
+    name = "eqx_logs.spool"
+
+    def supported(self) -> list[str]:
+        """The higher-order primitives this interpreter evaluates logs inside."""
+        return sorted(self.rules)
+
     def rule(self, eqn: _compat.JaxprEqn) -> Any:
         rule = self.rules.get(eqn.primitive.name)
         if rule is None:
@@ -382,21 +427,25 @@ class Interpreter:
         sites = _log_sites(eqn)
         raise UnhandledPrimitiveError(
             f"eqx_logs: {what} (at {_compat.eqn_location(eqn)}) contains logs"
-            f"{f' (at {_site_list(sites)})' if sites else ''}, but spool and tap have no rule "
+            f"{f' (at {_site_list(sites)})' if sites else ''}, but {self.name} has no rule "
             "for it yet, so its events cannot be captured and would be lost. Move the logs "
-            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
+            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {self.supported()}."
         )
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
         params = eqn.params
         treedef, site = params["treedef"], params["site"]
         n_leaves = treedef.num_leaves
-        avals = [v.aval for v in eqn.invars]
+        # inside a shard_map the mesh axes lead, as batch axes
+        mesh = tuple(name for name, _ in self._mesh)
+        lead = tuple(size for _, size in self._mesh)
+        avals = [v.aval.update(shape=lead + v.aval.shape) if lead else v.aval for v in eqn.invars]
         items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
         steps = {
             name: jax.ShapeDtypeStruct(a.shape, a.dtype)
             for name, a in zip(params["steps"], avals[n_leaves : n_leaves + len(params["steps"])])
         }
+        nb = len(lead) + params["nbatch"]
         for key, positions in items.items():
             sub_leaves, sub_def = jtu.tree_flatten(positions)
             info = self.info.get(key)
@@ -409,18 +458,27 @@ class Interpreter:
                     weak=[bool(getattr(avals[i], "weak_type", False)) for i in sub_leaves],
                     steps=dict(steps),
                     sites=[site],
-                    nbatch=params["nbatch"],
+                    nbatch=nb,
                     reduce=[(site, params["reduce"])],
-                    specs=[_compat.explicit_spec(avals[i]) for i in sub_leaves],
+                    specs=[None if mesh else _compat.explicit_spec(avals[i]) for i in sub_leaves],
+                    mesh=mesh,
                 )
                 continue
+            if info.mesh != mesh:
+                where = f"inside a shard_map over {mesh}" if mesh else "outside any shard_map"
+                there = f"inside a shard_map over {info.mesh}" if info.mesh else "outside"
+                raise ValueError(
+                    f"eqx_logs: key {key!r} is logged {where} at {site}, and {there} at "
+                    f"{_site_list(info.sites)}. Each device reduces the events it logs inside a "
+                    "shard_map (or pmap) on its own, so those events cannot share a key with "
+                    "others: give them a key of their own."
+                )
             if info.treedef != sub_def:
                 raise ValueError(
                     f"eqx_logs: key {key!r} is logged with pytree structure {sub_def} at {site} "
                     f"and {info.treedef} at {_site_list(info.sites)}. Every event of one key must "
                     "have the same structure."
                 )
-            nb = params["nbatch"]
             batch = avals[sub_leaves[0]].shape[:nb]
             if (
                 not info.lanes_as_events
@@ -592,13 +650,17 @@ class Interpreter:
         """One event of `key`, cast to its recorded types: the value and every step."""
         info = self.info[key]
         leaves = [
-            x if getattr(x, "dtype", None) == s.dtype else jnp.asarray(x, s.dtype)
+            self._lead(key, x if getattr(x, "dtype", None) == s.dtype else jnp.asarray(x, s.dtype))
             for x, s in zip(jtu.tree_leaves(value), info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
+        n = len(info.mesh)
         for name, s in info.steps.items():
-            step = steps[name] if name in steps else jnp.full(s.shape, -1, s.dtype)
-            event[f"step:{name}"] = jnp.asarray(step, s.dtype)
+            if name in steps:
+                step = self._lead(key, jnp.asarray(steps[name], s.dtype))
+            else:
+                step = self._lead(key, jnp.full(s.shape[n:], -1, s.dtype))
+            event[f"step:{name}"] = step
         # events take no gradient: under `grad`, stopped now, so that nothing stacks or reduces
         # them under differentiation (in a jaxpr being built, one stop per state suffices)
         return event if _compat.staging() else _stop_gradient(event)
@@ -614,12 +676,12 @@ class Interpreter:
         event that carries the step `INTERVAL_STEP` is kept where that step is a multiple of
         k; other events are numbered per key (0, k, 2k, ... are kept)."""
         state = dict(state)
-        batch = self.info[key].batch_shape()
+        batch = self.batch_shape(key)
         valid = mask
         period = self.policy.interval
         if period > 1:
             if mask is not True:
-                mask = _lanes.fit(mask, batch)
+                mask = self._fit(key, mask)
             if INTERVAL_STEP in steps:
                 number = jnp.asarray(steps[INTERVAL_STEP])
             else:
@@ -631,7 +693,7 @@ class Interpreter:
                 valid = jnp.logical_and(multiple, mask)
             state["seen"] = _plus(state["seen"], mask)
         if not isinstance(valid, bool):
-            valid = _lanes.fit(valid, batch)
+            valid = self._fit(key, valid) if jnp.shape(valid) != batch else valid
         state["count"] = _plus(state["count"], valid)
         return state, valid
 
@@ -727,7 +789,7 @@ class Interpreter:
 
     def stream_state(self, key: str) -> dict[str, Any]:
         """The state a streamed key starts every iteration with."""
-        state = {"count": np.zeros(self.info[key].batch_shape(), np.int32)}
+        state = {"count": np.zeros(self.batch_shape(key), np.int32)}
         return state | {channel: _Pending(_STREAM, ()) for channel in self._channels[key]}
 
     def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -778,7 +840,7 @@ class Interpreter:
                 continue
             # the lanes' layout: batch axes first
             block = jtu.tree_map(lambda x: jnp.moveaxis(x, 0, nbatch), block)
-            batch = self.info[key].batch_shape()
+            batch = self.batch_shape(key)
             if isinstance(old, _Pending) and old.state is _FRESH and not old.events:
                 if n == self._bounds[key]:  # the events are the whole buffer
                     state[channel] = {"buffer": block, "index": np.full(batch, n, np.int32)}
@@ -861,7 +923,7 @@ class Interpreter:
         """A new state of `key` in `channel`, with `events` (all kept) folded in."""
         info, reduction = self.info[key], self._channels[key][channel]
         struct, bound = self._lane_struct(key, channel), self._bounds[key]
-        batch = info.batch_shape()
+        batch = self.batch_shape(key)
         try:
             if events:
                 init = functools.partial(method(reduction, "init_many"), struct, bound)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from . import _compat, _lanes
 from ._interpret import Counts, Interpreter, max_counts, unbounded
@@ -454,3 +455,38 @@ def _cond_apply(interp, eqn, invals, states):
 
 
 register(_compat.COND, _cond_count, _cond_apply)
+
+
+# -- shard_map (and pmap): each device reduces its own events, as a vmap lane does -----------
+
+
+def _shard_map_count(interp, eqn):
+    body, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
+    with interp.manual(tuple((a, mesh.shape[a]) for a in axes)):
+        return interp.count(body)
+
+
+def _shard_map_apply(interp, eqn, invals, states):
+    body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
+    keys = interp.keys(body)
+    # a key's states have one leading axis per mesh axis: each device gets its own block
+    specs = {k: P(*axes) for k in keys}
+
+    def per_device(args, sub):
+        with interp.manual(tuple((a, 1) for a in axes), check_vma):
+            outs, sub = interp.eval(body, args, sub)
+        return tuple(outs), sub
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(in_specs, specs),
+        out_specs=(out_specs, specs),
+        axis_names=frozenset(axes),
+        check_vma=check_vma,
+    )
+    outs, sub = run(tuple(invals), interp.settle(states, keys))
+    return list(outs), {**states, **sub}
+
+
+register(_compat.SHARD_MAP, _shard_map_count, _shard_map_apply)

@@ -86,6 +86,11 @@ class _TapInterpreter(Interpreter):
         finally:
             self._guards.pop()
 
+    name = "eqx_logs.tap"
+
+    def supported(self):
+        return [name for name in super().supported() if name != _compat.SHARD_MAP]
+
     def threadable(self, states):
         return _dynamic(states)
 
@@ -134,6 +139,8 @@ class _TapInterpreter(Interpreter):
         return tuple(dict.fromkeys(self._group[k] for k in super().keys(closed)))
 
     def rule(self, eqn):
+        if eqn.primitive.name == _compat.SHARD_MAP:
+            self.unhandled(eqn)  # per-device counters and mesh coordinates: not yet
         rule = super().rule(eqn)
         if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
             return rule

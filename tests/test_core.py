@@ -657,11 +657,17 @@ def test_bad_input_errors_name_the_problem_and_leave_no_state(call, error, patte
 
 
 def test_unhandled_primitive_is_named():
-    def f(x):
-        return jax.pmap(lambda y: (el.log("p", y), y)[1])(x)
+    # a higher-order primitive of some library, with a log in its jaxpr and no rule
+    my_call_p = jax.extend.core.Primitive("my_call")
+    my_call_p.multiple_results = True
+    my_call_p.def_abstract_eval(lambda *args, jaxpr: [v.aval for v in jaxpr.jaxpr.outvars])
 
-    with pytest.raises(NotImplementedError, match="shard_map|pmap"):
-        el.spool(f)(jnp.ones((1, 2)))
+    def f(x):
+        closed = jax.make_jaxpr(lambda y: (el.log("p", y), y * 2)[1])(x)
+        return my_call_p.bind(x, jaxpr=closed)[0]
+
+    with pytest.raises(NotImplementedError, match="'my_call'.*test_core.py"):
+        el.spool(f)(jnp.ones(2))
 
 
 def test_bad_spool_options():

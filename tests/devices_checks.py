@@ -1,0 +1,226 @@
+"""Checks run on 4 forced CPU devices, in a subprocess of `test_devices.py` (the device count
+is fixed when JAX starts). Prints one JSON object: check name -> result. Every reference is
+independent of spool: the same shard_map returning its values by hand, or numpy."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+
+import eqx_logs
+
+results: dict[str, object] = {}
+
+
+def check(name):
+    def wrap(fn):
+        try:
+            results[name] = fn()
+        except Exception as e:  # reported, and the test of this check fails with it
+            results[name] = {"error": f"{type(e).__name__}: {e}"}
+        return fn
+
+    return wrap
+
+
+def close(a, b) -> bool:
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and bool(np.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True))
+
+
+def spec_of(x) -> str:
+    return str(getattr(x.sharding, "spec", None))
+
+
+mesh = Mesh(np.array(jax.devices()), ("d",))
+mesh2 = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+x8 = jnp.arange(8.0) / 8
+
+
+def scan_body(c, i):
+    c = jnp.sin(c) + i
+    return c
+
+
+def logged(x):
+    def step(c, i):
+        c = scan_body(c, i)
+        eqx_logs.log({"v": c, "s": c.sum()}, step=i.astype(jnp.int32))
+        return c, None
+
+    c = jax.lax.scan(step, x, jnp.arange(3.0))[0]
+    return jax.lax.psum(c.sum(), "d") + c
+
+
+def by_hand(x):  # the same, its values returned as outputs
+    def step(c, i):
+        c = scan_body(c, i)
+        return c, (c, c.sum())
+
+    c, (vs, ss) = jax.lax.scan(step, x, jnp.arange(3.0))
+    return jax.lax.psum(c.sum(), "d") + c, vs[:, None], ss[:, None]
+
+
+def sm(f, out_specs=P("d")):
+    return jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=out_specs)
+
+
+hand_out, hand_v, hand_s = jax.jit(sm(by_hand, (P("d"), P(None, "d"), P(None, "d"))))(x8)
+hand_v = np.asarray(hand_v).reshape(3, 4, 2)  # (events, devices, local)
+
+
+@check("stack")
+def _():
+    out, logs = eqx_logs.spool(sm(logged))(x8)
+    return {
+        "out": close(out, hand_out),
+        "v": close(logs["v"], hand_v),
+        "s": close(logs["s"], hand_s),
+        "shape": list(logs["s"].shape),
+        "spec": spec_of(logs["s"]),
+        "count": np.asarray(logs.count["s"]).tolist(),
+        "steps": close(logs.step["s"], np.repeat(np.arange(3)[:, None], 4, 1)),
+    }
+
+
+@check("jit")
+def _():
+    out, logs = jax.jit(eqx_logs.spool(sm(logged)))(x8)
+    return {"out": close(out, hand_out), "v": close(logs["v"], hand_v), "spec": spec_of(logs["v"])}
+
+
+@check("reductions")
+def _():
+    s = np.asarray(hand_s)  # (3, 4)
+    want = {
+        "mean": s.mean(0),
+        "var": s.var(0),
+        "max": s.max(0),
+        "last": s[-1],
+        "sum": s.sum(0),
+    }
+    got = {}
+    for name, ref in want.items():
+        _, logs = jax.jit(eqx_logs.spool(sm(logged), reduce=name, tags=None))(x8)
+        got[name] = close(logs["s"], ref)
+    _, logs = eqx_logs.spool(sm(logged), interval=2)(x8)
+    got["interval"] = close(logs["s"], s[::2])
+    return got
+
+
+@check("mesh2")
+def _():
+    # both axes manual: one output axis per mesh axis, in mesh order
+    f2 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2,
+        in_specs=P(("a", "b")),
+        out_specs=P(("a", "b")),
+    )
+    _, logs = eqx_logs.spool(f2)(x8)
+    want = np.asarray(x8).reshape(2, 2, 2).sum(-1)[None]
+    # only "a" manual, "b" left to the compiler
+    f1 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2,
+        in_specs=P("a"),
+        out_specs=P("a"),
+        axis_names={"a"},
+    )
+    _, logs1 = jax.jit(eqx_logs.spool(f1))(x8)
+    return {
+        "both": close(logs["m"], want),
+        "shape": list(logs["m"].shape),
+        "partial": close(logs1["m"], np.asarray(x8).reshape(2, 4).sum(-1)[None]),
+    }
+
+
+@check("pmap")
+def _():
+    def f(x):
+        eqx_logs.log({"p": x.sum()})
+        return x * 2
+
+    xs = jnp.arange(12.0).reshape(4, 3)
+    out, logs = eqx_logs.spool(jax.pmap(f, axis_name="i"))(xs)
+    return {"out": close(out, xs * 2), "p": close(logs["p"], xs.sum(1)[None])}
+
+
+@check("cond_per_device")
+def _():
+    # each device keeps a different number of events: counts and rows per device
+    def f(x):
+        def step(c, i):
+            c = c + 1.0
+            jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log({"big": c.sum()}), lambda: None)
+            return c, None
+
+        return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+    _, logs = eqx_logs.spool(sm(f))(x8)
+    sums = np.asarray(x8).reshape(4, 2).sum(1)[:, None] + 2.0 * np.arange(1, 4)[None]
+    counts = (sums > 2.5).sum(1)
+    ok = True
+    for d in range(4):
+        kept = sums[d][sums[d] > 2.5]
+        ok &= close(np.asarray(logs["big"])[: len(kept), d], kept)
+    return {
+        "counts": close(logs.count["big"], counts),
+        "rows": close(logs.rows["big"], counts),
+        "values": bool(ok),
+    }
+
+
+@check("vmap_inside")
+def _():
+    def f(x):
+        def one(row):
+            eqx_logs.log({"r": row.sum()})
+            return row
+
+        return jax.vmap(one)(x.reshape(2, -1)).reshape(-1)
+
+    xs = jnp.arange(16.0)
+    _, logs = eqx_logs.spool(sm(f))(xs)
+    want = np.asarray(xs).reshape(4, 2, 2).sum(-1)[None]  # (events, devices, lanes)
+    return {"r": close(logs["r"], want)}
+
+
+@check("grad")
+def _():
+    def loss(w, x):
+        h = jnp.tanh(w * x)
+        eqx_logs.log({"h": h.sum()})
+        return jax.lax.psum((h**2).sum(), "d")
+
+    def total(w, x):
+        return jax.shard_map(loss, mesh=mesh, in_specs=(P(), P("d")), out_specs=P())(w, x)
+
+    def spooled(w, x):
+        out, logs = eqx_logs.spool(total)(w, x)
+        return out, logs
+
+    (g, logs) = jax.grad(spooled, has_aux=True)(0.7, x8)
+    want_g = jax.grad(total)(0.7, x8)
+    want_h = np.tanh(0.7 * np.asarray(x8)).reshape(4, 2).sum(1)[None]
+    return {"grad": close(g, want_g), "h": close(logs["h"], want_h)}
+
+
+@check("inside_and_outside")
+def _():
+    def f(x):
+        eqx_logs.log({"k": x.sum()})
+        return sm(lambda y: (eqx_logs.log({"k": y.sum()}), y)[1])(x)
+
+    try:
+        eqx_logs.spool(f)(x8)
+    except ValueError as e:
+        return {"message": str(e)}
+    return {"message": None}
+
+
+print(json.dumps(results))
+sys.exit(0)

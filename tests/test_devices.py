@@ -1,0 +1,82 @@
+"""`spool` around `jax.shard_map` and `jax.pmap` on 4 CPU devices: each device reduces its own
+events, and a key's output has one axis per manual mesh axis after the event axis. The checks
+run in a subprocess (`devices_checks.py`: the device count is fixed when JAX starts) against
+the same shard_map returning its values by hand, or numpy."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def results():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    run = subprocess.run(
+        [sys.executable, os.path.join(HERE, "devices_checks.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def _ok(results, name):
+    got = results[name]
+    assert "error" not in got, got.get("error")
+    return got
+
+
+def test_stacked_per_device_laid_out_over_the_mesh(results):
+    got = _ok(results, "stack")
+    assert got["out"] and got["v"] and got["s"] and got["steps"]
+    assert got["shape"] == [3, 4]  # (events, devices)
+    assert got["spec"] == "P(None, 'd')"  # a global array over the devices: nothing gathered
+    assert got["count"] == [3, 3, 3, 3]
+
+
+def test_under_jit(results):
+    got = _ok(results, "jit")
+    assert got["out"] and got["v"] and got["spec"] == "P(None, 'd')"
+
+
+@pytest.mark.parametrize("name", ["mean", "var", "max", "last", "sum", "interval"])
+def test_every_device_reduces_its_own_events(results, name):
+    assert _ok(results, "reductions")[name]
+
+
+def test_two_dimensional_mesh_and_partly_manual_shard_map(results):
+    got = _ok(results, "mesh2")
+    assert got["both"] and got["partial"]
+    assert got["shape"] == [1, 2, 2]  # one axis per manual mesh axis, in mesh order
+
+
+def test_pmap(results):
+    got = _ok(results, "pmap")
+    assert got["out"] and got["p"]
+
+
+def test_devices_keep_different_numbers_of_events(results):
+    got = _ok(results, "cond_per_device")
+    assert got["counts"] and got["rows"] and got["values"]
+
+
+def test_vmap_inside_shard_map(results):
+    assert _ok(results, "vmap_inside")["r"]
+
+
+def test_grad_through_shard_map(results):
+    got = _ok(results, "grad")
+    assert got["grad"] and got["h"]
+
+
+def test_a_key_logged_inside_and_outside_a_shard_map_is_an_error(results):
+    message = _ok(results, "inside_and_outside")["message"]
+    assert message is not None
+    assert "'k'" in message and "shard_map" in message and "devices_checks.py" in message
