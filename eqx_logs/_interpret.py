@@ -876,10 +876,11 @@ class Interpreter:
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         outs, states = self.eval(closed, args, states, settle=False)
         states = self.settle(states, arrays=False)  # what is known now stays so
+        self._check_across()
         values, count, steps, names, rows = {}, {}, {}, {}, {}
         for key, state in states.items():
             name = self.policy.prefix + key
-            nbatch = self.info[key].nbatch
+            state, nbatch = self._merge_across(key, state)
             reduction = self._reductions[key]
             count[name] = state["count"]
             names[name] = type(reduction).__name__
@@ -893,6 +894,41 @@ class Interpreter:
                 else:
                     steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
+
+    def _check_across(self) -> None:
+        axes = {a for info in self.info.values() for a in info.mesh}
+        missing = [a for a in self.policy.across if a not in axes]
+        if axes and missing:
+            raise ValueError(
+                f"eqx_logs.spool(across={self.policy.across!r}): no shard_map (or pmap) that "
+                f"logs has the manual mesh axis {missing[0]!r}; those that log are over "
+                f"{sorted(axes)}."
+            )
+
+    def _merge_across(self, key: str, state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+        """`key`'s state with the devices' states merged over the mesh axes the policy names
+        in `across`, in device order; and its number of batch axes left."""
+        info = self.info[key]
+        nbatch = info.nbatch
+        merged = [j for j, a in enumerate(info.mesh) if a in self.policy.across]
+        state, batch, bound = dict(state), info.batch_shape(), self._bounds[key]
+        for j in reversed(merged):  # later axes first: row-major device order
+            size, rest = batch[j], batch[:j] + batch[j + 1 :]
+            for name in ("count", "seen"):
+                if name in state:
+                    x = state[name]
+                    state[name] = np.sum(x, axis=j) if _known(x) else jnp.sum(x, axis=j)
+            bound = None if bound is None else bound * size  # every device's events
+            for channel, reduction in self._channels[key].items():
+                init = method(reduction, "init")(self._lane_struct(key, channel), bound)
+                out = jtu.tree_map(lambda x: jnp.broadcast_to(x, rest + jnp.shape(x)), init)
+                merge = _vmap(method(reduction, "merge"), nbatch - 1)
+                for device in range(size):
+                    part = jtu.tree_map(lambda x: jnp.take(x, device, j), state[channel])
+                    out = merge(out, part)
+                state[channel] = out
+            nbatch, batch = nbatch - 1, rest
+        return state, nbatch
 
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]

@@ -94,6 +94,11 @@ class Policy(eqx.Module):
         `"drop"` to remove matching keys; the first matching pattern wins.
     - `prefix`: prepended to every output key.
     - `key`: a `jax.random.key` for reductions that sample (`Sample`).
+    - `across`: names of manual mesh axes (`jax.shard_map`, `jax.pmap`): the events each
+        device reduced on its own are merged over these axes, with each reduction's `merge`,
+        in device order (a Stack holds device 0's events, then device 1's, ...). The key's
+        output then has no axis for them. By default each device's result is kept, on its own
+        axis after the event axis.
 
     Precedence for a key's reduction: a matching rule, then the reduction named at the
     `log(..., reduce=...)` call site, then `reduce`.
@@ -114,6 +119,7 @@ class Policy(eqx.Module):
     rules: tuple[tuple[str, Any], ...]
     prefix: str = eqx.field(static=True)
     key: PRNGKeyArray | None
+    across: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -125,6 +131,7 @@ class Policy(eqx.Module):
         rules: Mapping[str, Any] | None = None,
         prefix: str = "",
         key: PRNGKeyArray | None = None,
+        across: Any = (),
     ):
         self.reduce = as_reduction(reduce, where="Policy(reduce)")
         self.interval = interval
@@ -143,6 +150,7 @@ class Policy(eqx.Module):
         )
         self.prefix = prefix
         self.key = key
+        self.across = _strings("across", across, optional=False)
 
     def __check_init__(self):
         check_count("Policy", "interval", self.interval)
@@ -164,6 +172,7 @@ class Policy(eqx.Module):
             rules=dict(self.rules),
             prefix=self.prefix,
             key=self.key,
+            across=self.across,
         )
         fields.update({k: v for k, v in changes.items() if v is not None})
         return Policy(**fields)

@@ -1,6 +1,7 @@
 """The public transforms: `spool` and `nolog`."""
 
 import functools
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ def spool(
     prefix: str | None = None,
     keep: bool = False,
     key: PRNGKeyArray | None = None,
+    across: str | tuple[str, ...] | None = None,
 ) -> Callable[..., tuple[_T, LogDict]]:
     """Capture every `eqx_logs.log` event of `fun` and return them with its output.
 
@@ -52,6 +54,9 @@ def spool(
     - `keep`: also pass the captured events on to an enclosing spool (by default an inner
         spool consumes them). Events this spool does not select always pass on.
     - `key`: a `jax.random.key` for sampling reductions.
+    - `across`: manual mesh axes (`jax.shard_map`, `jax.pmap`) to merge the devices' results
+        over, with each reduction's `merge` (see `eqx_logs.Policy`). By default a key logged
+        inside a shard_map has one output axis per manual mesh axis, after the event axis.
 
     **Returns:**
 
@@ -76,9 +81,7 @@ def spool(
         out, logs = eqx_logs.spool(f)(jnp.arange(3.0))  # logs["c"] == [0., 0., 1.]
         ```
     """
-    policy = with_options(
-        policy,
-        "eqx_logs.spool",
+    options = dict(
         reduce=reduce,
         interval=interval,
         window=window,
@@ -86,13 +89,30 @@ def spool(
         exclude=exclude,
         prefix=prefix,
         key=key,
+        across=across,
     )
     if fun is None:
+        policy = with_options(policy, "eqx_logs.spool", **options)
         return functools.partial(spool, policy=policy, keep=keep)
+    if policy is None and key is None and isinstance(fun, types.FunctionType):
+        # `spool(f)(x)` written inline in a loop: the same (immutable) object every time
+        try:
+            return _spool_of(fun, keep, tuple(options.items()))
+        except TypeError:  # an option that is not hashable (or a bad one: raised below)
+            pass
+    return _make(fun, policy, keep, options)
+
+
+def _make(fun: Callable, policy: Any, keep: bool, options: dict[str, Any]) -> "_Spooled":
+    policy = with_options(policy, "eqx_logs.spool", **options)
     if not callable(fun):
         raise TypeError(f"eqx_logs.spool expects a callable, got {type(fun).__name__}.")
-
     return eqx.module_update_wrapper(_Spooled(fun, policy, keep))
+
+
+@functools.lru_cache(maxsize=256)  # bounded: it keeps the functions alive
+def _spool_of(fun: Callable, keep: bool, options: tuple) -> "_Spooled":
+    return _make(fun, None, keep, dict(options))
 
 
 class _Spooled(eqx.Module):
@@ -119,8 +139,8 @@ class _Spooled(eqx.Module):
             # nested jit would be traced, then differentiated or batched, again)
             return _spool_run(self.fun, self.policy, self.keep, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
-        static, dynamic = _split(self)
-        return _spool_call((static, current_prefix(), dynamic), args, kwargs)
+        static, arrays = _split(self)
+        return _spool_call((static, current_prefix(), arrays), args, kwargs)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -176,24 +196,32 @@ class _Static:
 
 
 # `_Spooled` -> its static part and its arrays, split once per object: an eager call then
-# passes `eqx.filter_jit` one static leaf instead of the function's and policy's pytrees.
-_SPLITS: "weakref.WeakKeyDictionary[_Spooled, tuple[_Static, Any]]" = weakref.WeakKeyDictionary()
+# passes `eqx.filter_jit` one static leaf and a list of arrays instead of the function's and
+# policy's pytrees.
+_SPLITS: "weakref.WeakKeyDictionary[_Spooled, tuple[_Static, list[Any]]]" = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def _split(spooled: "_Spooled") -> tuple[_Static, Any]:
+def _split(spooled: "_Spooled") -> tuple[_Static, list[Any]]:
     hit = _SPLITS.get(spooled)
     if hit is None:
-        dynamic, static = eqx.partition((spooled.fun, spooled.policy), eqx.is_array)
-        leaves, treedef = jtu.tree_flatten(static)  # hashed as `eqx.filter_jit` hashes it
-        hit = _SPLITS[spooled] = (_Static((tuple(leaves), treedef, spooled.keep)), dynamic)
+        # as `eqx.filter_jit` splits its arguments: arrays traced, the rest hashed (None marks
+        # an array's place: None is no leaf)
+        leaves, treedef = jtu.tree_flatten((spooled.fun, spooled.policy))
+        arrays = [x for x in leaves if eqx.is_array(x)]
+        static = tuple(None if eqx.is_array(x) else x for x in leaves)
+        hit = _SPLITS[spooled] = (_Static((static, treedef, spooled.keep)), arrays)
     return hit
 
 
 @eqx.filter_jit
 def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
-    static, _, dynamic = parts  # the scope (the middle part) is in the cache key only
+    static, _, arrays = parts  # the scope (the middle part) is in the cache key only
     leaves, treedef, keep = static.value
-    fun, policy = eqx.combine(dynamic, jtu.tree_unflatten(treedef, leaves))
+    arrays = iter(arrays)
+    leaves = [next(arrays) if x is None else x for x in leaves]
+    fun, policy = jtu.tree_unflatten(treedef, leaves)
     return _spool_run(fun, policy, keep, args, kwargs)
 
 

@@ -34,6 +34,7 @@ class PolicyConfig:
     rules: dict[str, Any] = field(default_factory=dict)
     prefix: str = ""
     seed: int | None = None
+    across: list[str] = field(default_factory=list)
     config_key: str = "logging"
 
 
@@ -104,6 +105,7 @@ def policy(
     rules: Any = None,
     prefix: str = "",
     seed: int | None = None,
+    across: Any = (),
     config_key: str = "logging",
 ) -> Policy:
     """An `eqx_logs.Policy` from config values (OmegaConf lists become tuples). A bad value
@@ -135,8 +137,8 @@ def policy(
             raise bad(
                 f"rules.{pattern}", value, "not a reduction name, a reduction, or 'drop'"
             ) from None
-    tags, exclude = _plain(tags), _plain(exclude)
-    for name, value in (("tags", tags), ("exclude", exclude)):
+    tags, exclude, across = _plain(tags), _plain(exclude), _plain(across)
+    for name, value in (("tags", tags), ("exclude", exclude), ("across", across)):
         if value is not None and not (
             isinstance(value, list | tuple) and all(isinstance(t, str) for t in value)
         ):
@@ -155,6 +157,7 @@ def policy(
         rules=rules,
         prefix=prefix,
         key=key,
+        across=tuple(across or ()),
     )
 
 

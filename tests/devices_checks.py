@@ -222,5 +222,63 @@ def _():
     return {"message": None}
 
 
+@check("across")
+def _():
+    s = np.asarray(hand_s)  # (events, devices)
+    v = hand_v  # (events, devices, local)
+    got = {}
+    want = {
+        "mean": s.mean(),
+        "sum": s.sum(),
+        "max": s.max(),
+        "min": s.min(),
+        "var": s.var(),
+        "count": np.float32(s.size),
+        "stack": s.T.reshape(-1),  # device 0's events, then device 1's, ...
+        "first": s[0, 0],
+        "last": s[-1, -1],
+    }
+    for name, ref in want.items():
+        _, logs = jax.jit(eqx_logs.spool(sm(logged), reduce=name, across="d"))(x8)
+        got[name] = close(logs["s"], ref)
+    _, logs = eqx_logs.spool(sm(logged), across=("d",))(x8)
+    got["count_total"] = int(logs.count["s"]) == s.size
+    got["v"] = close(logs["v"], v.transpose(1, 0, 2).reshape(-1, 2))
+    got["steps"] = close(logs.step["s"], np.tile(np.arange(3), 4))
+
+    # per device a different number of events: Stack concatenates the real ones
+    def f(x):
+        def step(c, i):
+            c = c + 1.0
+            jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log({"big": c.sum()}), lambda: None)
+            return c, None
+
+        return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+    _, logs = eqx_logs.spool(sm(f), across="d")(x8)
+    sums = np.asarray(x8).reshape(4, 2).sum(1)[:, None] + 2.0 * np.arange(1, 4)[None]
+    kept = sums[sums > 2.5]  # row-major: device by device
+    got["ragged"] = close(np.asarray(logs["big"])[: len(kept)], kept)
+    got["ragged_rows"] = int(logs.rows["big"]) == len(kept)
+    # a 2-D mesh merged over one axis, then over both
+    f2 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2,
+        in_specs=P(("a", "b")),
+        out_specs=P(("a", "b")),
+    )
+    per = np.asarray(x8).reshape(2, 2, 2).sum(-1)
+    _, logs = eqx_logs.spool(f2, across="b", reduce="sum")(x8)
+    got["mesh2_b"] = close(logs["m"], per.sum(1))
+    _, logs = eqx_logs.spool(f2, across=("a", "b"))(x8)
+    got["mesh2_both"] = close(logs["m"], per.reshape(-1))
+    try:
+        eqx_logs.spool(sm(logged), across="x")(x8)
+        got["typo"] = None
+    except ValueError as e:
+        got["typo"] = str(e)
+    return got
+
+
 print(json.dumps(results))
 sys.exit(0)

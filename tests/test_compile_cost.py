@@ -462,3 +462,22 @@ def test_eager_spool_sees_changes_made_to_the_spooled_function_by_tree_at():
     _, logs = spooled(x)  # the first one is unchanged
     assert_close(logs["y"], np.sin(2.0 * np.asarray(x))[None])
     assert len(traces) == 2
+
+
+def test_spool_written_inline_is_made_once_per_function_and_options():
+    def f(x):
+        eqx_logs.log({"x": x})
+        return x
+
+    assert eqx_logs.spool(f) is eqx_logs.spool(f)
+    assert eqx_logs.spool(f, reduce="mean") is eqx_logs.spool(f, reduce="mean")
+    assert eqx_logs.spool(f, reduce="mean") is not eqx_logs.spool(f)
+    # options that are not hashable still work (made each time)
+    _, logs = eqx_logs.spool(f, exclude=["debug"])(jnp.float32(2.0))
+    assert int(logs.count["x"]) == 1
+    _, logs = eqx_logs.spool(f, tags=["train"])(jnp.float32(2.0))
+    assert "x" not in logs  # the log has no tag "train"
+    _, logs = eqx_logs.spool(f, reduce="mean")(jnp.arange(3.0))
+    assert_close(logs["x"], np.arange(3.0))
+    with pytest.raises(ValueError, match="interval"):
+        eqx_logs.spool(f, interval=0)

@@ -363,6 +363,12 @@ def test_bad_value_names_key_and_value(override, message):
     assert isinstance(info.value.__cause__, ValueError)
 
 
+def test_across_is_a_config_key():
+    assert compose_policy("logging.across=[d]").across == ("d",)
+    assert compose_policy("logging.across=[a,b]").across == ("a", "b")
+    assert compose_policy().across == ()
+
+
 def test_bad_reduce_lists_the_valid_names():
     with pytest.raises(InstantiationException) as info:
         compose_policy("logging.reduce=meen")

@@ -80,3 +80,26 @@ def test_a_key_logged_inside_and_outside_a_shard_map_is_an_error(results):
     message = _ok(results, "inside_and_outside")["message"]
     assert message is not None
     assert "'k'" in message and "shard_map" in message and "devices_checks.py" in message
+
+
+@pytest.mark.parametrize(
+    "name", ["mean", "sum", "max", "min", "var", "count", "stack", "first", "last", "v", "steps"]
+)
+def test_across_merges_the_devices_results_with_each_reductions_merge(results, name):
+    # Stack, First and Last in device order: device 0's events, then device 1's, ...
+    assert _ok(results, "across")[name]
+
+
+def test_across_with_a_different_number_of_events_per_device(results):
+    got = _ok(results, "across")
+    assert got["ragged"] and got["ragged_rows"] and got["count_total"]
+
+
+def test_across_one_or_both_axes_of_a_two_dimensional_mesh(results):
+    got = _ok(results, "across")
+    assert got["mesh2_b"] and got["mesh2_both"]
+
+
+def test_across_an_axis_no_shard_map_has_is_an_error(results):
+    message = _ok(results, "across")["typo"]
+    assert message is not None and "'x'" in message and "['d']" in message
