@@ -779,7 +779,7 @@ class Interpreter:
         return {
             k: n
             for k, n in per_iteration.items()
-            if k not in excluded and all(_streams(r) for r in self._channels[k].values())
+            if n and k not in excluded and all(_streams(r) for r in self._channels[k].values())
         }
 
     def _keys_of(self, eqn: _compat.JaxprEqn) -> list[str]:
@@ -828,7 +828,7 @@ class Interpreter:
 
             def flat(x):
                 x = jnp.flip(x, 0) if reverse else x  # execution order
-                if per_iteration > 1:
+                if per_iteration != 1:  # (none: a nested scan of length 0)
                     x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
                 return x
 
@@ -877,23 +877,40 @@ class Interpreter:
         outs, states = self.eval(closed, args, states, settle=False)
         states = self.settle(states, arrays=False)  # what is known now stays so
         self._check_across()
-        values, count, steps, names, rows = {}, {}, {}, {}, {}
+        # keys with the same batch shape are finalized under one vmap: a vmap per key costs
+        # more to trace than most finalizations
+        by_batch: dict[tuple[int, ...], dict[str, Any]] = {}
         for key, state in states.items():
-            name = self.policy.prefix + key
-            state, nbatch = self._merge_across(key, state)
-            reduction = self._reductions[key]
-            count[name] = state["count"]
-            names[name] = type(reduction).__name__
-            if reduction.event_axes:
-                rows[name] = _vmap(method(reduction, "rows"), nbatch)(state["value"])
-            for channel, reduction in self._channels[key].items():
-                out = _vmap(method(reduction, "finalize"), nbatch)(state[channel])
-                out = method(reduction, "place_batch_axes")(out, nbatch)
-                if channel == "value":
-                    values[name] = out
-                else:
-                    steps.setdefault(channel.removeprefix("step:"), {})[name] = out
+            state, batch = self._merge_across(key, state)
+            by_batch.setdefault(batch, {})[key] = state
+        values, count, steps, names, rows = {}, {}, {}, {}, {}
+        for batch, group in by_batch.items():
+            finished = _vmap(lambda g: {k: self._finish(k, s) for k, s in g.items()}, len(batch))
+            for key, (key_rows, finals) in finished(group).items():
+                name = self.policy.prefix + key
+                reduction = self._reductions[key]
+                count[name] = group[key]["count"]
+                names[name] = type(reduction).__name__
+                if reduction.event_axes:
+                    rows[name] = key_rows
+                for channel, out in finals.items():
+                    out = method(self._channels[key][channel], "place_batch_axes")(out, len(batch))
+                    if channel == "value":
+                        values[name] = out
+                    else:
+                        steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
+
+    def _finish(self, key: str, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """One lane of `key`'s outputs: its rows (for an output with an event axis), and its
+        finalized channels."""
+        reduction = self._reductions[key]
+        key_rows = method(reduction, "rows")(state["value"]) if reduction.event_axes else None
+        finalized = {
+            channel: method(r, "finalize")(state[channel])
+            for channel, r in self._channels[key].items()
+        }
+        return key_rows, finalized
 
     def _check_across(self) -> None:
         axes = {a for info in self.info.values() for a in info.mesh}
@@ -905,9 +922,11 @@ class Interpreter:
                 f"{sorted(axes)}."
             )
 
-    def _merge_across(self, key: str, state: dict[str, Any]) -> tuple[dict[str, Any], int]:
+    def _merge_across(
+        self, key: str, state: dict[str, Any]
+    ) -> tuple[dict[str, Any], tuple[int, ...]]:
         """`key`'s state with the devices' states merged over the mesh axes the policy names
-        in `across`, in device order; and its number of batch axes left."""
+        in `across`, in device order; and its batch shape left."""
         info = self.info[key]
         nbatch = info.nbatch
         merged = [j for j, a in enumerate(info.mesh) if a in self.policy.across]
@@ -928,7 +947,7 @@ class Interpreter:
                     out = merge(out, part)
                 state[channel] = out
             nbatch, batch = nbatch - 1, rest
-        return state, nbatch
+        return state, batch
 
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]

@@ -305,7 +305,7 @@ def _nested_program(lengths, reverses, before, after, *, log=True):
         def oracle(c0):
             events = []
             c = run(np.asarray(c0, np.float64), 0, events)
-            return c, np.stack(events)
+            return c, np.stack(events) if events else np.zeros((0, *c.shape))
 
         return oracle
 
@@ -338,6 +338,9 @@ def _nested_program(lengths, reverses, before, after, *, log=True):
         ((2, 3, 2), (False, True, True), True, False),
         ((2, 1, 1), (False, False, False), False, True),  # one event per iteration, in a block
         ((2, 3, 2), (True, True, False), True, True),
+        ((2, 0), (False, False), True, True),  # an inner scan that never runs
+        ((2, 2, 0), (False, True, False), True, False),
+        ((0, 2), (False, False), True, True),  # an outer scan that never runs
     ],
 )
 def test_nested_scans_stream_through_every_level(lengths, reverses, before, after):
@@ -481,3 +484,29 @@ def test_spool_written_inline_is_made_once_per_function_and_options():
     assert_close(logs["x"], np.arange(3.0))
     with pytest.raises(ValueError, match="interval"):
         eqx_logs.spool(f, interval=0)
+
+
+@pytest.mark.parametrize("inner_length", [0, 1])
+def test_a_key_logged_only_in_a_nested_scan_that_never_runs(inner_length):
+    # "h" has no event in an iteration of the outer scan: nothing to stream for it there
+    def f(c0):
+        def inner(c, x):
+            eqx_logs.log({"h": c + x})
+            return c, None
+
+        def middle(c, x):
+            c = jax.lax.scan(inner, c, jnp.arange(float(inner_length)))[0]
+            return c + x, None
+
+        def outer(c, x):
+            eqx_logs.log({"g": c})
+            return jax.lax.scan(middle, c, jnp.arange(2.0))[0], None
+
+        return jax.lax.scan(outer, c0, jnp.arange(3.0))[0]
+
+    out, logs = eqx_logs.spool(f)(jnp.float32(0.5))
+    assert_close(out, 0.5 + 3.0)
+    assert_close(logs["g"], 0.5 + np.arange(3.0))
+    want = [0.5 + i for i in range(3) for _ in range(2)] if inner_length else []
+    assert_close(logs["h"], np.array(want, np.float32).reshape(len(want)))
+    assert int(logs.count["h"]) == len(want)
