@@ -41,6 +41,7 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_diffrax.py
 	.venv/bin/python benchmarks/bench_interval.py
 	.venv/bin/python benchmarks/bench_compile.py
+	.venv/bin/python benchmarks/bench_devices.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks
