@@ -221,9 +221,13 @@ def unpack(closed: Any) -> tuple[Jaxpr, list[Any]]:
     return closed, list(getattr(closed, "consts", ()))  # jax 0.12, or an open jaxpr
 
 
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _core.Tracer)
+
+
 def is_traced(tree: Any) -> bool:
     """Whether a leaf of `tree` is a tracer: the call is inside `jit`, `grad` or `vmap`."""
-    return any(isinstance(x, _core.Tracer) for x in _tree_leaves(tree))
+    return any(is_tracer(x) for x in _tree_leaves(tree))
 
 
 def staging() -> bool:

@@ -11,7 +11,6 @@ skipped, so that XLA runs the computation only for kept events.
 from collections.abc import Callable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -102,7 +101,7 @@ class Lazy:
 
 def stop_gradient(x: Any) -> Any:
     """`lax.stop_gradient(x)` where `x` is a traced inexact array; `x` otherwise."""
-    inexact = isinstance(x, jax.core.Tracer) and jnp.issubdtype(x.dtype, jnp.inexact)
+    inexact = _compat.is_tracer(x) and jnp.issubdtype(x.dtype, jnp.inexact)
     return lax.stop_gradient(x) if inexact else x
 
 

@@ -327,19 +327,22 @@ class Interpreter:
     def batch_shape(self, key: str) -> tuple[int, ...]:
         """The batch shape of `key`'s states here: the mesh axes of a `shard_map` being
         evaluated have size 1 (each device holds its own block)."""
-        batch = self.info[key].batch_shape()
-        n = len(self._mesh) if self.info[key].mesh else 0
-        return (1,) * n + batch[n:]
+        n = self._local_axes(key)
+        return (1,) * n + self.info[key].batch_shape()[n:]
+
+    def _local_axes(self, key: str) -> int:
+        """How many of `key`'s batch axes are mesh axes of the shard_map being evaluated."""
+        return len(self.info[key].mesh) if self._mesh else 0
 
     def _fit(self, key: str, mask: Any) -> Any:
         """`_lanes.fit` for `key`'s batch here: a mask has no mesh axes (one device's)."""
-        n = len(self._mesh) if self.info[key].mesh else 0
+        n = self._local_axes(key)
         return self._lead(key, _lanes.fit(mask, self.batch_shape(key)[n:]))
 
     def _lead(self, key: str, x: Any) -> Any:
         """A value of one device's event of `key` with the mesh axes put first (size 1), and
         varying over them: the device's own."""
-        n = len(self._mesh) if self.info[key].mesh else 0
+        n = self._local_axes(key)
         if n == 0:
             return x
         return _compat.vary(lax.expand_dims(x, tuple(range(n))), self._vary)
@@ -408,11 +411,7 @@ class Interpreter:
         """The keys with a state (selected, not dropped) logged in `closed`."""
         return tuple(k for k in self.count(closed) if k in self._reductions)
 
-    name = "eqx_logs.spool"
-
-    def supported(self) -> list[str]:
-        """The higher-order primitives this interpreter evaluates logs inside."""
-        return sorted(self.rules)
+    name = "eqx_logs.spool"  # in errors
 
     def rule(self, eqn: _compat.JaxprEqn) -> Any:
         rule = self.rules.get(eqn.primitive.name)
@@ -429,7 +428,7 @@ class Interpreter:
             f"eqx_logs: {what} (at {_compat.eqn_location(eqn)}) contains logs"
             f"{f' (at {_site_list(sites)})' if sites else ''}, but {self.name} has no rule "
             "for it yet, so its events cannot be captured and would be lost. Move the logs "
-            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {self.supported()}."
+            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
         )
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
@@ -654,7 +653,7 @@ class Interpreter:
             for x, s in zip(jtu.tree_leaves(value), info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
-        n = len(info.mesh)
+        n = self._local_axes(key)
         for name, s in info.steps.items():
             if name in steps:
                 step = self._lead(key, jnp.asarray(steps[name], s.dtype))
@@ -1052,7 +1051,6 @@ def _as_array(x: Any) -> Any:
 
 def _stop_gradient(tree: Any) -> Any:
     """`lax.stop_gradient` of the traced inexact leaves of `tree` (the others take none)."""
-
     return jtu.tree_map(stop_gradient, tree)
 
 

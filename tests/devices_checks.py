@@ -149,19 +149,28 @@ def _():
     return {"out": close(out, xs * 2), "p": close(logs["p"], xs.sum(1)[None])}
 
 
+def ragged(x):
+    """Each device logs "big" in the steps where its running sum exceeds 2.5: a different
+    number of events per device."""
+
+    def step(c, i):
+        c = c + 1.0
+        jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log({"big": c.sum()}), lambda: None)
+        return c, None
+
+    return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+
+def ragged_sums():
+    """The running sums `ragged` compares, per device and step, in numpy."""
+    return np.asarray(x8).reshape(4, 2).sum(1)[:, None] + 2.0 * np.arange(1, 4)[None]
+
+
 @check("cond_per_device")
 def _():
     # each device keeps a different number of events: counts and rows per device
-    def f(x):
-        def step(c, i):
-            c = c + 1.0
-            jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log({"big": c.sum()}), lambda: None)
-            return c, None
-
-        return jax.lax.scan(step, x, jnp.arange(3.0))[0]
-
-    _, logs = eqx_logs.spool(sm(f))(x8)
-    sums = np.asarray(x8).reshape(4, 2).sum(1)[:, None] + 2.0 * np.arange(1, 4)[None]
+    _, logs = eqx_logs.spool(sm(ragged))(x8)
+    sums = ragged_sums()
     counts = (sums > 2.5).sum(1)
     ok = True
     for d in range(4):
@@ -247,16 +256,8 @@ def _():
     got["steps"] = close(logs.step["s"], np.tile(np.arange(3), 4))
 
     # per device a different number of events: Stack concatenates the real ones
-    def f(x):
-        def step(c, i):
-            c = c + 1.0
-            jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log({"big": c.sum()}), lambda: None)
-            return c, None
-
-        return jax.lax.scan(step, x, jnp.arange(3.0))[0]
-
-    _, logs = eqx_logs.spool(sm(f), across="d")(x8)
-    sums = np.asarray(x8).reshape(4, 2).sum(1)[:, None] + 2.0 * np.arange(1, 4)[None]
+    _, logs = eqx_logs.spool(sm(ragged), across="d")(x8)
+    sums = ragged_sums()
     kept = sums[sums > 2.5]  # row-major: device by device
     got["ragged"] = close(np.asarray(logs["big"])[: len(kept)], kept)
     got["ragged_rows"] = int(logs.rows["big"]) == len(kept)
