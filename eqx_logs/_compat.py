@@ -93,6 +93,26 @@ def def_jvp(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_jvps[prim] = rule
 
 
+# jax 0.12's linearization rules return structured residuals too (None here), which their
+# linear part then receives before the tangents.
+_STRUCTURED_RESIDUALS = "structured_res" in _ad.LinearizeTrace.process_primitive.__code__.co_varnames
+
+
+def def_primal_only(prim: Primitive) -> None:
+    """Differentiate `prim` (a primitive with no outputs) by binding it on the primal values
+    once: what its jvp rule does, without JAX tracing that rule into a jaxpr for every bind
+    under `grad` (the fallback linearization, about 2 ms a bind)."""
+
+    def linearize(is_vjp, nonzeros, *primals, **params):
+        del is_vjp, nonzeros
+        out = prim.bind(*primals, **params)
+        if _STRUCTURED_RESIDUALS:
+            return out, [], [], None, lambda residuals, structured, *tangents: []
+        return out, [], [], lambda residuals, *tangents: []
+
+    _ad.primitive_linearizations[prim] = linearize
+
+
 def explicit_spec(aval: Any) -> tuple[Any, ...] | None:
     """The partition spec of a value sharded over Explicit mesh axes (sharding in types, as
     `jax.make_mesh` gives by default), or None."""

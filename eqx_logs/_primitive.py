@@ -146,6 +146,7 @@ def _log_transpose(cts, *args, **params):
 
 
 _compat.def_jvp(log_p, _log_jvp)
+_compat.def_primal_only(log_p)  # `_log_jvp` without tracing it at every bind under grad
 _compat.def_transpose(log_p, _log_transpose)
 _compat.def_batching(log_p, _log_batch)
 _compat.keep_in_loops(log_p, LogEffect)
