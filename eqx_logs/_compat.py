@@ -15,17 +15,22 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary d
 `tests/test_compat.py` checks each of these on the installed JAX version.
 """
 
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from jax import lax as _lax
+import numpy as np
+from jax import lax as _lax, tree_util as _tree_util
 from jax._src import (
     ad_checkpoint as _ad_checkpoint,
     ad_util as _ad_util,
+    callback as _callback,
     config as _jax_config,
     core as _core,
+    debugging as _debugging,
+    dispatch as _dispatch,
     effects as _effects,
     linear_util as _lu,
     pjit as _pjit,
@@ -95,7 +100,9 @@ def def_jvp(prim: Primitive, rule: Callable) -> None:
 
 # jax 0.12's linearization rules return structured residuals too (None here), which their
 # linear part then receives before the tangents.
-_STRUCTURED_RESIDUALS = "structured_res" in _ad.LinearizeTrace.process_primitive.__code__.co_varnames
+_STRUCTURED_RESIDUALS = (
+    "structured_res" in _ad.LinearizeTrace.process_primitive.__code__.co_varnames
+)
 
 
 def def_primal_only(prim: Primitive) -> None:
@@ -135,6 +142,103 @@ def def_batching(prim: Primitive, rule: Callable) -> None:
 def def_lowering(prim: Primitive, rule: Callable) -> None:
     """`rule(*args, **params) -> outs` in terms of JAX operations."""
     _mlir.register_lowering(prim, _mlir.lower_fun(rule, multiple_results=True))
+
+
+# ----------------------------------------------------------------------------------------
+# Host callbacks that keep their order on any number of devices and processes.
+# `jax.debug.callback(..., ordered=True)` is refused by a program over more than one device
+# (its effect is not "shardable"), and `io_callback(..., ordered=True)` cannot be vmapped or
+# rematerialized. `host_callback` is `jax.debug.callback` (its rules for vmap, grad and
+# remat) with an ordered effect of its own that JAX may shard, lowered as `io_callback` is:
+# in a program over many devices (a sharded jit) it runs once, on the first device, with the
+# whole value (across processes: on process 0's); inside a `shard_map` whose axes are all
+# manual it runs on every device with that device's values.
+# ----------------------------------------------------------------------------------------
+
+
+class HostEffect(Effect):
+    __str__ = lambda self: "eqx_logs.host"  # noqa: E731
+
+
+host_effect = HostEffect()
+register_effect(HostEffect)
+_effects.ordered_effects.add_type(HostEffect)
+_effects.shardable_ordered_effects.add_type(HostEffect)
+
+host_p = Primitive("eqx_logs.host")
+host_p.multiple_results = True
+
+
+def host_callback(fun: Callable[..., None], *args: Any) -> None:
+    """Call `fun(*args)` on the host, with numpy arrays for the arrays of the pytrees `args`,
+    in program order (see above for where it runs on many devices)."""
+    leaves, treedef = _tree_util.tree_flatten(args)
+
+    def flat(*leaves):
+        fun(*_tree_util.tree_unflatten(treedef, leaves))
+
+    host_p.bind(*leaves, callback=flat)
+
+
+@host_p.def_impl
+def _host_impl(*args, callback):
+    if all(getattr(x, "is_fully_addressable", True) for x in args):
+        callback(*_tree_util.tree_map(np.asarray, args))
+        return []
+    # arrays of many processes: a program of their devices places the call (process 0's)
+    return _dispatch.apply_primitive(host_p, *args, callback=callback)
+
+
+@host_p.def_effectful_abstract_eval
+def _host_abstract_eval(*avals, callback):
+    del avals, callback
+    return [], {host_effect}
+
+
+def _host_batch(args, dims, *, callback):
+    """One call per lane, in lane order (as `jax.debug.callback`)."""
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
+    for i in range(size):
+        lane = [
+            x if d is not_mapped else _lax.index_in_dim(x, i, d, False)
+            for x, d in zip(args, dims)
+        ]
+        host_p.bind(*lane, callback=callback)
+    return [], []
+
+
+def _host_jvp(primals, tangents, *, callback):
+    del tangents
+    return host_p.bind(*primals, callback=callback), []
+
+
+def _host_lowering(ctx, *args, callback):
+    sharding = _callback._callback_op_sharding(ctx.module_context.axis_context, None, [])
+    token = ctx.tokens_in.get(host_effect)
+    _, token, _ = _callback.emit_python_callback(
+        ctx,
+        lambda *xs: (callback(*xs), ())[1],
+        token,
+        list(args),
+        ctx.avals_in,
+        ctx.avals_out,
+        has_side_effect=True,
+        returns_token=True,
+        sharding=sharding,
+    )
+    ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({host_effect: token})))
+    return []
+
+
+_batching.primitive_batchers[host_p] = _host_batch
+_ad.primitive_jvps[host_p] = _host_jvp
+_ad.primitive_transposes[host_p] = lambda cts, *args, **params: [None] * len(args)
+_mlir.register_lowering(host_p, _host_lowering)
+def_primal_only(host_p)
+# kept in the forward pass of a rematerialized function, as `jax.debug.callback` is
+_pe.partial_eval_jaxpr_custom_rules[host_p] = functools.partial(
+    _debugging._debug_partial_eval_custom, primitive=host_p
+)
 
 
 # ----------------------------------------------------------------------------------------

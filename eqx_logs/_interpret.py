@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _compat, _lanes
 from ._buffers import NeedsBound, Stack
@@ -192,6 +192,16 @@ def max_counts(many: Sequence[Counts]) -> Counts:
 
 def unbounded(counts: Counts) -> Counts:
     return {k: None for k in counts}
+
+
+def _unsharded(x: Any, axis: int) -> Any:
+    """`x` with its `axis` on every device: where Explicit mesh axes shard it there, each
+    device reads every device's block of it (as a merge over devices does) only so."""
+    spec = _compat.explicit_spec(jax.typeof(x))
+    if spec is None or len(spec) <= axis or spec[axis] is None:
+        return x
+    spec = PartitionSpec(*spec[:axis], None, *spec[axis + 1 :])
+    return jax.reshard(x, NamedSharding(jax.typeof(x).sharding.mesh, spec))
 
 
 class Interpreter:
@@ -941,8 +951,9 @@ class Interpreter:
                 init = method(reduction, "init")(self._lane_struct(key, channel), bound)
                 out = jtu.tree_map(lambda x: jnp.broadcast_to(x, rest + jnp.shape(x)), init)
                 merge = _vmap(method(reduction, "merge"), nbatch - 1)
+                parts = jtu.tree_map(lambda x: _unsharded(x, j), state[channel])
                 for device in range(size):
-                    part = jtu.tree_map(lambda x: jnp.take(x, device, j), state[channel])
+                    part = jtu.tree_map(lambda x: jnp.take(x, device, j), parts)
                     out = merge(out, part)
                 state[channel] = out
             nbatch, batch = nbatch - 1, rest

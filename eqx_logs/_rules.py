@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from . import _compat, _lanes
 from ._interpret import Counts, Interpreter, max_counts, unbounded
@@ -485,8 +485,19 @@ def _shard_map_apply(interp, eqn, invals, states):
         axis_names=frozenset(axes),
         check_vma=check_vma,
     )
-    outs, sub = run(tuple(invals), interp.settle(states, keys))
+    outs, sub = run(tuple(invals), _blocks(interp.settle(states, keys), mesh, axes))
     return list(outs), {**states, **sub}
+
+
+def _blocks(states, mesh, axes: tuple[str, ...]):
+    """States entering a shard_map. With Explicit mesh axes (`jax.make_mesh`'s default) a
+    value's type names its sharding, which must be the block per device that `P(*axes)`
+    gives; Auto axes take any layout."""
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    spec = P(*(a if types[a] == AxisType.Explicit else None for a in axes))
+    if all(a is None for a in spec):
+        return states
+    return jax.tree.map(lambda x: jax.reshard(x, NamedSharding(mesh, spec)), states)
 
 
 register(_compat.SHARD_MAP, _shard_map_count, _shard_map_apply)

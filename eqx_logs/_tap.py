@@ -362,7 +362,7 @@ class _TapInterpreter(Interpreter):
 
         def emit(memo):  # values only logs use are computed here (`_deferred.py`)
             forced = jtu.tree_map(lambda x: force([x], memo)[0], values)
-            jax.debug.callback(host, self.context, forced, steps, meta, mask, ordered=True)
+            _compat.host_callback(host, self.context, forced, steps, meta, mask)
 
         if all(isinstance(w, bool) for w in wanted.values()):
             emit(None)  # kept, known at trace time

@@ -281,5 +281,39 @@ def _():
     return got
 
 
+@check("explicit")
+def _():
+    # `jax.make_mesh`'s default: Explicit axes, whose types name each value's sharding
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(x8, jax.NamedSharding(explicit, P("d")))
+
+    def smx(f):
+        return jax.shard_map(f, mesh=explicit, in_specs=P("d"), out_specs=P("d"))
+
+    s = np.asarray(hand_s)
+    out, logs = jax.jit(eqx_logs.spool(smx(logged)))(x)
+    _, mean = jax.jit(eqx_logs.spool(smx(logged), reduce="mean"))(x)
+    _, total = jax.jit(eqx_logs.spool(smx(logged), reduce="mean", across="d"))(x)
+    _, big = eqx_logs.spool(smx(ragged))(x)
+    mesh2x = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    f1 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2x,
+        in_specs=P("a"),
+        out_specs=P("a"),
+        axis_names={"a"},
+    )
+    _, logs1 = jax.jit(eqx_logs.spool(f1))(jax.device_put(x8, jax.NamedSharding(mesh2x, P("a"))))
+    return {
+        "out": close(out, hand_out),
+        "v": close(logs["v"], hand_v),
+        "spec": spec_of(logs["s"]),
+        "mean": close(mean["s"], s.mean(0)),
+        "across": close(total["s"], s.mean()),
+        "ragged_counts": close(big.count["big"], (ragged_sums() > 2.5).sum(1)),
+        "partial": close(logs1["m"], np.asarray(x8).reshape(2, 4).sum(-1)[None]),
+    }
+
+
 print(json.dumps(results))
 sys.exit(0)

@@ -57,6 +57,15 @@ def test_two_dimensional_mesh_and_partly_manual_shard_map(results):
     assert got["shape"] == [1, 2, 2]  # one axis per manual mesh axis, in mesh order
 
 
+def test_explicit_mesh_axes(results):
+    # `jax.make_mesh` gives Explicit axes: the states entering the shard_map are laid out as
+    # its specs say (they were replicated, which shard_map rejects)
+    got = _ok(results, "explicit")
+    assert got["spec"] == "P(None, 'd')"
+    assert got["out"] and got["v"] and got["mean"] and got["across"]
+    assert got["ragged_counts"] and got["partial"]
+
+
 def test_pmap(results):
     got = _ok(results, "pmap")
     assert got["out"] and got["p"]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 
+from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
 from .._spool import spool as _spool
@@ -383,7 +384,7 @@ class _LoggerSpooled(eqx.Module):
     def __call__(self, *args, **kwargs):
         self.logger._check()
         out, logs = self.spooled(*args, **kwargs)
-        jax.debug.callback(self.logger._spool_host, self.state, logs, ordered=True)
+        _compat.host_callback(self.logger._spool_host, self.state, logs)
         return out
 
 
