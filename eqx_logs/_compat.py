@@ -200,8 +200,7 @@ def _host_batch(args, dims, *, callback):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
     for i in range(size):
         lane = [
-            x if d is not_mapped else _lax.index_in_dim(x, i, d, False)
-            for x, d in zip(args, dims)
+            x if d is not_mapped else _lax.index_in_dim(x, i, d, False) for x, d in zip(args, dims)
         ]
         host_p.bind(*lane, callback=callback)
     return [], []

@@ -485,11 +485,11 @@ def _shard_map_apply(interp, eqn, invals, states):
         axis_names=frozenset(axes),
         check_vma=check_vma,
     )
-    outs, sub = run(tuple(invals), _blocks(interp.settle(states, keys), mesh, axes))
+    outs, sub = run(tuple(invals), per_device_blocks(interp.settle(states, keys), mesh, axes))
     return list(outs), {**states, **sub}
 
 
-def _blocks(states, mesh, axes: tuple[str, ...]):
+def per_device_blocks(states, mesh, axes: tuple[str, ...]):
     """States entering a shard_map. With Explicit mesh axes (`jax.make_mesh`'s default) a
     value's type names its sharding, which must be the block per device that `P(*axes)`
     gives; Auto axes take any layout."""

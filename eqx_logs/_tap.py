@@ -11,13 +11,14 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from . import _compat
 from ._deferred import force
 from ._interpret import INTERVAL_STEP, Interpreter
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, is_log, rebind
-from ._rules import RULES, _split, inline_copy_apply
+from ._rules import RULES, _split, inline_copy_apply, per_device_blocks
 from ._spool import trace_filtered
 
 _T = TypeVar("_T")
@@ -41,13 +42,54 @@ def _numeric(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
 
 
-def _dynamic(states: dict[str, Any]) -> dict[str, Any]:
-    return {k: jnp.int32(v) if isinstance(v, int) else v for k, v in states.items()}
+def _zero_of(args: Any) -> Any:
+    """A zero computed from every input (`_TapInterpreter._lanes`)."""
+    empty = [jnp.ravel(x)[:0].sum(dtype=jnp.int32) for x in args if _numeric(x)]
+    return functools.reduce(jnp.add, empty, jnp.int32(0))
 
 
-# A shard_map's events would need per-device counters and mesh coordinates: not yet (the
-# interpreter names what it lacks a rule for).
-_TAP_RULES = {name: rule for name, rule in RULES.items() if name != _compat.SHARD_MAP}
+def _tap_shard_map_apply(interp, eqn, invals, states):
+    """Each device calls back with its own events (a callback in a shard_map runs on every
+    device), its mesh coordinates among the steps; the counters of the keys logged there are
+    per device, so `interval` counts each device's events."""
+    body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
+    if set(axes) != set(mesh.axis_names):
+        raise ValueError(
+            f"eqx_logs.tap: a shard_map over only some of its mesh's axes (manual {axes}, "
+            f"mesh {mesh.axis_names}) logs; tap needs every axis manual there (the callback "
+            "runs on each device). Use `eqx_logs.spool`, or make every axis manual."
+        )
+    groups = interp.keys(body)
+
+    def per_device(args, sub):
+        lanes = interp._lanes  # (computed from the global inputs, which stay outside)
+        interp._lanes = _zero_of(args)
+        try:
+            with interp.manual(tuple((a, 1) for a in axes), check_vma):
+                sub = {g: jnp.reshape(c, ()) for g, c in sub.items()}
+                outs, sub = interp.eval(body, args, interp.threadable(sub))
+                sub = interp.threadable(sub)
+        finally:
+            interp._lanes = lanes
+        return tuple(outs), {g: jnp.reshape(c, (1,) * len(axes)) for g, c in sub.items()}
+
+    spec = P(*axes)
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(in_specs, spec),
+        out_specs=(out_specs, spec),
+        axis_names=frozenset(axes),
+        check_vma=check_vma,
+    )
+    outs, sub = run(tuple(invals), per_device_blocks({g: states[g] for g in groups}, mesh, axes))
+    return list(outs), {**states, **sub}
+
+
+_TAP_RULES = {
+    **RULES,
+    _compat.SHARD_MAP: RULES[_compat.SHARD_MAP]._replace(apply=_tap_shard_map_apply),
+}
 
 
 class _TapInterpreter(Interpreter):
@@ -94,7 +136,17 @@ class _TapInterpreter(Interpreter):
     name = "eqx_logs.tap"
 
     def threadable(self, states):
-        return _dynamic(states)
+        """Counters as arrays: one per device for the keys a shard_map logs (outside it;
+        inside, each device's own, varying over the mesh)."""
+        if self._mesh:
+            return {
+                g: _compat.vary(jnp.int32(c), self._vary) if isinstance(c, int) else c
+                for g, c in states.items()
+            }
+        return {
+            g: jnp.full(self._per_device.get(g, ()), c, jnp.int32) if isinstance(c, int) else c
+            for g, c in states.items()
+        }
 
     def streamed(self, body, length):  # events reach the host, not a scan's outputs
         del body, length
@@ -131,8 +183,13 @@ class _TapInterpreter(Interpreter):
             sites = frozenset(self._eqns_of[key])
             self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
         self._reductions = dict.fromkeys(kept)
-        empty = [jnp.ravel(x)[:0].sum(dtype=jnp.int32) for x in args if _numeric(x)]
-        self._lanes = functools.reduce(jnp.add, empty, jnp.int32(0))
+        # the counters of keys logged inside a shard_map: one per device
+        self._per_device = {
+            self._group[k]: self.info[k].batch_shape()[: len(self.info[k].mesh)]
+            for k in kept
+            if self.info[k].mesh
+        }
+        self._lanes = _zero_of(args)
         outs, _ = self.eval(closed, args, dict.fromkeys(groups.values(), 0))
         return outs
 
@@ -154,7 +211,7 @@ class _TapInterpreter(Interpreter):
                 peeled = self._peeled_scan(eqn, invals, states)
                 if peeled is not None:
                     return peeled
-            return rule.apply(interp, eqn, invals, _dynamic(states))
+            return rule.apply(interp, eqn, invals, self.threadable(states))
 
         return rule._replace(apply=apply)
 
@@ -280,6 +337,8 @@ class _TapInterpreter(Interpreter):
         n_leaves = params["treedef"].num_leaves
         items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
         steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        if self._mesh:  # inside a shard_map: the device's coordinates on its manual axes
+            steps = {**{a: lax.axis_index(a) for a, _ in self._mesh}, **steps}
         keys = [k for k in items if k in self._reductions and self._group[k] in states]
         # keys a custom derivative rule logs but its primal does not: as in spool
         passed = [k for k in items if k not in keys and not self._dropped(k)]

@@ -315,5 +315,113 @@ def _():
     }
 
 
+def tapped(f, **options):
+    """`jit(tap(f))(x8)`'s events as `(key, value, {step: int})` sorted by device and step."""
+    got = []
+
+    def callback(logs, steps):
+        for k, v in logs.items():
+            got.append((k, np.asarray(v).tolist(), {n: int(s) for n, s in steps.items()}))
+
+    jax.jit(eqx_logs.tap(f, callback=callback, **options))(x8)
+    jax.effects_barrier()
+    return sorted(got, key=lambda e: (e[0], e[2].get("d", 0), e[2].get("step", 0)))
+
+
+@check("tap")
+def _():
+    s = np.asarray(hand_s)  # (events, devices)
+    every = tapped(sm(logged), tags=None)
+    every_s = [e for e in every if e[0] == "s"]
+    # each device's events once, with its coordinate on the mesh axis
+    want = [("s", s[t, d], {"d": d, "step": t}) for d in range(4) for t in range(3)]
+    ok = len(every_s) == len(want) and all(
+        g[2] == w[2] and np.isclose(g[1], w[1]) for g, w in zip(every_s, want)
+    )
+    # `interval` counts per device: each device keeps its events 0, 2, ... of its own, and
+    # here the devices log different numbers of events
+    big = tapped(sm(ragged), interval=2)
+    sums = ragged_sums()
+    want_big = []
+    for d in range(4):
+        kept = sums[d][sums[d] > 2.5]
+        want_big += [(d, v) for v in kept[::2]]
+    got_big = [(e[2]["d"], e[1]) for e in big]
+    pm = []
+    jax.jit(
+        eqx_logs.tap(
+            jax.pmap(lambda x: (eqx_logs.log({"p": x.sum()}), x)[1], axis_name="i"),
+            callback=lambda logs, steps: pm.append((int(steps["i"]), float(logs["p"]))),
+        )
+    )(jnp.arange(8.0).reshape(4, 2))
+    jax.effects_barrier()
+    f1 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2,
+        in_specs=P("a"),
+        out_specs=P("a"),
+        axis_names={"a"},
+    )
+    try:
+        jax.jit(eqx_logs.tap(f1, callback=lambda logs, steps: None))(x8)
+        partial = None
+    except ValueError as e:
+        partial = str(e)
+    return {
+        "partial": partial,
+        "stack": bool(ok),
+        "v_rows": sum(e[0] == "v" for e in every) == 12,
+        "interval": len(got_big) == len(want_big)
+        and all(g[0] == w[0] and np.isclose(g[1], w[1]) for g, w in zip(got_big, want_big)),
+        "pmap": sorted(pm) == [(i, float(2 * i + 2 * i + 1)) for i in range(4)],
+    }
+
+
+@check("loggers")
+def _():
+    # a sharded jit (no shard_map): the whole program calls back once, with whole values
+    import tempfile
+
+    from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+    sharded = jax.device_put(jnp.arange(8.0), jax.NamedSharding(mesh, P("d")))
+
+    def loss(x):
+        def step(c, i):
+            c = jnp.sin(c) + i
+            eqx_logs.log({"n": jnp.sum(c**2)}, step=i.astype(jnp.int32))
+            return c, None
+
+        return jax.lax.scan(step, x, jnp.arange(4.0))[0]
+
+    def want():
+        c, out = np.arange(8.0), []
+        for i in range(4):
+            c = np.sin(c) + i
+            out.append((c**2).sum())
+        return out
+
+    with tempfile.TemporaryDirectory() as d:
+        logger = JsonlLogger(f"{d}/spool.jsonl")
+        jax.jit(logger.spool(loss, logger.init()))(sharded)
+        logger.spool(loss, logger.init(1))(sharded)  # eager
+        tap_logger = JsonlLogger(f"{d}/tap.jsonl")
+        jax.jit(tap_logger.tap(loss, tap_logger.init()))(sharded)
+        jax.jit(tap_logger.tap(sm(logged), tap_logger.init(1)))(x8)
+        logger.close()
+        tap_logger.close()
+        spooled = read_jsonl(f"{d}/spool.jsonl")
+        tapped_rows = read_jsonl(f"{d}/tap.jsonl")
+    rows = lambda records, run: [r["value"] for r in records if r["run"] == run]  # noqa: E731
+    per_device = [r for r in tapped_rows if r["run"] == 1 and r["key"] == "s"]
+    return {
+        "spool_jit": close(rows(spooled, 0), want()),
+        "spool_eager": close(rows(spooled, 1), want()),
+        "tap": close(rows(tapped_rows, 0), want()),
+        "tap_shard_map": sorted((r["d"], r["step"]) for r in per_device)
+        == [(d, t) for d in range(4) for t in range(3)],
+    }
+
+
 print(json.dumps(results))
 sys.exit(0)

@@ -66,6 +66,22 @@ def test_explicit_mesh_axes(results):
     assert got["ragged_counts"] and got["partial"]
 
 
+def test_tap_calls_back_per_device_with_mesh_coordinates(results):
+    got = _ok(results, "tap")
+    assert got["stack"] and got["v_rows"]  # every device's events once, steps + coordinates
+    assert got["interval"]  # `interval` counts each device's own events
+    assert got["pmap"]
+    # only some axes manual: said at trace time, not a lowering error
+    assert "every axis manual" in got["partial"] and "eqx_logs.spool" in got["partial"]
+
+
+def test_loggers_on_sharded_programs(results):
+    # jax.debug.callback(ordered=True) is refused by programs over several devices: every
+    # logger failed there
+    got = _ok(results, "loggers")
+    assert got["spool_jit"] and got["spool_eager"] and got["tap"] and got["tap_shard_map"]
+
+
 def test_pmap(results):
     got = _ok(results, "pmap")
     assert got["out"] and got["p"]

@@ -115,18 +115,20 @@ def test_lax_map_batches():
     assert_close(logs["x"], np.mean([0.0, 2.0, 4.0, 6.0]))
 
 
-def test_pmap_on_one_device_and_the_tap_error_names_what_the_user_wrote():
+def test_pmap_on_one_device_spooled_and_tapped():
     def f(x):
-        el.log("x", x)
+        el.log("x", x + 1.0)
         return x
 
     out, logs = el.spool(jax.pmap(f))(jnp.arange(1.0))  # many devices: test_devices.py
     assert_close(out, np.arange(1.0))
-    assert_close(logs["x"], np.zeros((1, 1)))
-    with pytest.raises(
-        NotImplementedError, match=r"jax.pmap.*test_primitives.py:\d+ \(f\).*eqx_logs.tap"
-    ):
-        el.tap(jax.pmap(f), callback=lambda logs, steps: None)(jnp.arange(1.0))
+    assert_close(logs["x"], np.ones((1, 1)))
+    got = []
+    el.tap(jax.pmap(f, axis_name="i"), callback=lambda logs, steps: got.append((logs, steps)))(
+        jnp.arange(1.0)
+    )
+    jax.effects_barrier()
+    assert [(float(logs["x"]), int(steps["i"])) for logs, steps in got] == [(1.0, 0)]
 
 
 def test_bad_tags_name_the_argument():
