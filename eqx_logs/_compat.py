@@ -34,6 +34,7 @@ from jax._src import (
     effects as _effects,
     linear_util as _lu,
     pjit as _pjit,
+    sharding_impls as _sharding_impls,
     source_info_util as _source_info_util,
 )
 from jax._src.ad_util import SymbolicZero as _SymbolicZero
@@ -44,6 +45,7 @@ from jax._src.interpreters import (
     partial_eval as _pe,
 )
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
+from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
 from jax.tree_util import tree_leaves as _tree_leaves
 
 Jaxpr = _core.Jaxpr
@@ -169,62 +171,72 @@ host_p = Primitive("eqx_logs.host")
 host_p.multiple_results = True
 
 
-def host_callback(fun: Callable[..., None], *args: Any) -> None:
+def host_callback(fun: Callable[..., None], *args: Any, every_process: bool = False) -> None:
     """Call `fun(*args)` on the host, with numpy arrays for the arrays of the pytrees `args`,
-    in program order (see above for where it runs on many devices)."""
+    in program order (see above for where it runs on many devices). With `every_process`, a
+    program over the devices of many processes calls it on each of them (on its first device)
+    instead of on process 0 alone."""
     leaves, treedef = _tree_util.tree_flatten(args)
 
     def flat(*leaves):
         fun(*_tree_util.tree_unflatten(treedef, leaves))
 
-    host_p.bind(*leaves, callback=flat)
+    host_p.bind(*leaves, callback=flat, every_process=every_process)
 
 
 @host_p.def_impl
-def _host_impl(*args, callback):
+def _host_impl(*args, callback, every_process):
     if all(getattr(x, "is_fully_addressable", True) for x in args):
         callback(*_tree_util.tree_map(np.asarray, args))
         return []
-    # arrays of many processes: a program of their devices places the call (process 0's)
-    return _dispatch.apply_primitive(host_p, *args, callback=callback)
+    # arrays of many processes: a program of their devices places the call
+    return _dispatch.apply_primitive(host_p, *args, callback=callback, every_process=every_process)
 
 
 @host_p.def_effectful_abstract_eval
-def _host_abstract_eval(*avals, callback):
-    del avals, callback
+def _host_abstract_eval(*avals, callback, every_process):
+    del avals, callback, every_process
     return [], {host_effect}
 
 
-def _host_batch(args, dims, *, callback):
+def _host_batch(args, dims, **params):
     """One call per lane, in lane order (as `jax.debug.callback`)."""
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not not_mapped)
     for i in range(size):
         lane = [
             x if d is not_mapped else _lax.index_in_dim(x, i, d, False) for x, d in zip(args, dims)
         ]
-        host_p.bind(*lane, callback=callback)
+        host_p.bind(*lane, **params)
     return [], []
 
 
-def _host_jvp(primals, tangents, *, callback):
+def _host_jvp(primals, tangents, **params):
     del tangents
-    return host_p.bind(*primals, callback=callback), []
+    return host_p.bind(*primals, **params), []
 
 
-def _host_lowering(ctx, *args, callback):
-    sharding = _callback._callback_op_sharding(ctx.module_context.axis_context, None, [])
+def _host_lowering(ctx, *args, callback, every_process):
+    context = ctx.module_context.axis_context
+    # over many devices (not inside a shard_map): on the first one, or each process's first
+    places = [None]
+    if every_process and isinstance(context, _sharding_impls.ShardingContext):
+        firsts: dict[int, Any] = {}
+        for device in context.device_assignment or ():
+            firsts.setdefault(device.process_index, device)
+        places = [_SingleDeviceSharding(d) for d in firsts.values()] or places
     token = ctx.tokens_in.get(host_effect)
-    _, token, _ = _callback.emit_python_callback(
-        ctx,
-        lambda *xs: (callback(*xs), ())[1],
-        token,
-        list(args),
-        ctx.avals_in,
-        ctx.avals_out,
-        has_side_effect=True,
-        returns_token=True,
-        sharding=sharding,
-    )
+    for place in places:
+        _, token, _ = _callback.emit_python_callback(
+            ctx,
+            lambda *xs: (callback(*xs), ())[1],
+            token,
+            list(args),
+            ctx.avals_in,
+            ctx.avals_out,
+            has_side_effect=True,
+            returns_token=True,
+            sharding=_callback._callback_op_sharding(context, place, []),
+        )
     ctx.set_tokens_out(ctx.tokens_in.update_tokens(_mlir.TokenSet({host_effect: token})))
     return []
 
@@ -233,6 +245,8 @@ _batching.primitive_batchers[host_p] = _host_batch
 _ad.primitive_jvps[host_p] = _host_jvp
 _ad.primitive_transposes[host_p] = lambda cts, *args, **params: [None] * len(args)
 _mlir.register_lowering(host_p, _host_lowering)
+# lowered knowing the devices (as io_callback is): to place a call on each process's first
+_dispatch.prim_requires_devices_during_lowering.add(host_p)
 def_primal_only(host_p)
 # kept in the forward pass of a rematerialized function, as `jax.debug.callback` is
 _pe.partial_eval_jaxpr_custom_rules[host_p] = functools.partial(

@@ -43,8 +43,14 @@ def _numeric(x: Any) -> bool:
 
 
 def _zero_of(args: Any) -> Any:
-    """A zero computed from every input (`_TapInterpreter._lanes`)."""
-    empty = [jnp.ravel(x)[:0].sum(dtype=jnp.int32) for x in args if _numeric(x)]
+    """A zero computed from every input (`_TapInterpreter._lanes`), from none of its elements:
+    an empty slice. (Not of inputs sharded over Explicit mesh axes, which cannot be flattened
+    without naming a sharding; vmap does not batch those.)"""
+    empty = [
+        jnp.ravel(x)[:0].sum(dtype=jnp.int32)
+        for x in args
+        if _numeric(x) and _compat.explicit_spec(jax.typeof(x)) is None
+    ]
     return functools.reduce(jnp.add, empty, jnp.int32(0))
 
 
@@ -109,9 +115,10 @@ class _TapInterpreter(Interpreter):
     # under, per lane, and the host drops the lanes where they do not hold.
     tracks_guards = True
 
-    def __init__(self, policy: Policy, sink: Callable, context: Any):
+    def __init__(self, policy: Policy, sink: Callable, every_process: bool, context: Any):
         super().__init__(policy, _TAP_RULES)
         self.sink = sink
+        self.every_process = every_process
         self.context = context
         self._silent = False  # inside iterations whose events the interval skips
         self._guards: list[Any] = []
@@ -421,7 +428,9 @@ class _TapInterpreter(Interpreter):
 
         def emit(memo):  # values only logs use are computed here (`_deferred.py`)
             forced = jtu.tree_map(lambda x: force([x], memo)[0], values)
-            _compat.host_callback(host, self.context, forced, steps, meta, mask)
+            _compat.host_callback(
+                host, self.context, forced, steps, meta, mask, every_process=self.every_process
+            )
 
         if all(isinstance(w, bool) for w in wanted.values()):
             emit(None)  # kept, known at trace time
@@ -487,14 +496,18 @@ def tap(
     if not callable(fun):
         raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
     sink = _Callback(print_callback if callback is None else callback)
-    return tap_with(fun, policy, sink, None)
+    return tap_with(fun, policy, sink, None, every_process=False)
 
 
-def tap_with(fun: Callable[..., _T], policy: Policy, sink: Callable, context: Any):
+def tap_with(
+    fun: Callable[..., _T], policy: Policy, sink: Callable, context: Any, every_process: bool
+):
     """`fun`, calling `sink(context, logs, steps)` on the host for each selected event;
-    `context` (a pytree of arrays, such as a logger's state) is passed through."""
+    `context` (a pytree of arrays, such as a logger's state) is passed through. With
+    `every_process`, events of a program over many processes' devices reach every process
+    (`_compat.host_callback`)."""
 
-    return eqx.module_update_wrapper(_Tapped(fun, policy, sink, context))
+    return eqx.module_update_wrapper(_Tapped(fun, policy, sink, context, every_process))
 
 
 class _Tapped(eqx.Module):
@@ -505,6 +518,7 @@ class _Tapped(eqx.Module):
     policy: Policy
     sink: Callable = eqx.field(static=True)
     context: Any
+    every_process: bool = eqx.field(default=False, static=True)
 
     # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
     # arrays, a model's or a logger state).
@@ -517,9 +531,8 @@ class _Tapped(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
-        return _tap_call(
-            self.fun, self.policy, self.sink, current_prefix(), self.context, args, kwargs
-        )
+        sink = (self.sink, self.every_process)
+        return _tap_call(self.fun, self.policy, sink, current_prefix(), self.context, args, kwargs)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -539,4 +552,4 @@ class _Callback(eqx.Module):
 def _tap_call(fun, policy, sink, scope, context, args, kwargs):
     del scope  # part of the cache key only
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    return rebuild(_TapInterpreter(policy, sink, context).run(closed, flat))
+    return rebuild(_TapInterpreter(policy, *sink, context).run(closed, flat))

@@ -6,7 +6,15 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, host_array, steps_of, unique_name
+from ._base import (
+    AbstractLogger,
+    Record,
+    flat_items,
+    host_array,
+    process_suffix,
+    steps_of,
+    unique_name,
+)
 
 _FILE = re.compile(r"^(\d+)\.npz$")
 
@@ -32,7 +40,8 @@ class ArrayLogger(AbstractLogger):
     def _write(self, handle: dict[str, int], run: int, records: list[Record]) -> None:
         for r in records:
             key = r["key"]
-            folder = os.path.join(self.path, f"run_{run}", unique_name(key))
+            run_dir = f"run_{run}{process_suffix(self.every_process)}"
+            folder = os.path.join(self.path, run_dir, unique_name(key))
             if key not in handle:
                 os.makedirs(folder, exist_ok=True)
                 existing = [int(m[1]) for f in os.listdir(folder) if (m := _FILE.match(f))]

@@ -3,6 +3,7 @@
 import abc
 import hashlib
 import math
+import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
@@ -159,6 +160,23 @@ def steps_of(record: Record) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("key", "value")}
 
 
+def process_suffix(every_process: bool) -> str:
+    """What this process adds to the names of the files or runs it writes: nothing in a
+    single-process run, nor on process 0 by default (it writes the run's events); otherwise
+    `.process<k>` (with `every_process`, every process writes a copy of its own; without,
+    only the events of its own devices inside a `shard_map` reach process k > 0)."""
+    if jax.process_count() == 1:
+        return ""
+    index = jax.process_index()
+    return f".process{index}" if every_process or index else ""
+
+
+def process_path(path: str, every_process: bool) -> str:
+    """`path` with `process_suffix` before its extension: `logs.jsonl` -> `logs.process1.jsonl`."""
+    root, ext = os.path.splitext(path)
+    return root + process_suffix(every_process) + ext
+
+
 class LoggerState(eqx.Module):
     """What `AbstractLogger.init` returns: the run this state writes to. Under `jax.vmap`
     over states each lane writes to its own run."""
@@ -201,10 +219,18 @@ class AbstractLogger(eqx.Module):
     and from inside compiled code as the `JaxRuntimeError` of the next host callback. Writes
     submitted after the failure are skipped and counted in the message.
 
+    Over many processes (`jax.distributed`), process 0 writes by default: a spooled call's
+    logs, and the events of a program over many devices, reach its host once. Inside a
+    `shard_map` each device's events reach its own process; process k > 0 writes those to
+    files or runs named with `.process<k>`. With `every_process=True`, every process writes
+    every event, each to its own `.process<k>` files or runs.
+
     Subclasses implement `_open(run) -> handle`, `_write(handle, run, records)` and optionally
     `_close(handle)`; all three run on the writer thread.
     """
 
+    # keyword-only, so that backends' own fields may come without defaults before it
+    every_process: bool = eqx.field(default=False, static=True, kw_only=True)
     _writer: Writer = eqx.field(
         static=True, default_factory=lambda: Writer("logger"), repr=False, init=False
     )
@@ -245,6 +271,7 @@ class AbstractLogger(eqx.Module):
         prefix: str | None = None,
         keep: bool = False,
         key: PRNGKeyArray | None = None,
+        across: str | tuple[str, ...] | None = None,
     ) -> Callable[..., _T]:
         """`fun`, spooled as by `eqx_logs.spool` (same options); the logs are written to
         `state`'s run when the call completes, and `fun`'s output is returned."""
@@ -258,6 +285,7 @@ class AbstractLogger(eqx.Module):
             exclude=exclude,
             prefix=prefix,
             key=key,
+            across=across,
         )
         return eqx.module_update_wrapper(
             _LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state)
@@ -280,7 +308,7 @@ class AbstractLogger(eqx.Module):
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
         return eqx.module_update_wrapper(
-            _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state))
+            _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state, self.every_process))
         )
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
@@ -384,7 +412,10 @@ class _LoggerSpooled(eqx.Module):
     def __call__(self, *args, **kwargs):
         self.logger._check()
         out, logs = self.spooled(*args, **kwargs)
-        _compat.host_callback(self.logger._spool_host, self.state, logs)
+        logger = self.logger
+        _compat.host_callback(
+            logger._spool_host, self.state, logs, every_process=logger.every_process
+        )
         return out
 
 

@@ -6,7 +6,7 @@ from typing import IO
 
 import equinox as eqx
 
-from ._base import AbstractLogger, Record, to_python
+from ._base import AbstractLogger, Record, process_path, to_python
 
 
 class JsonlLogger(AbstractLogger):
@@ -27,9 +27,10 @@ class JsonlLogger(AbstractLogger):
     fsync_every: float = 1.0
 
     def _open(self, run: int) -> tuple[IO[str], list[float]]:
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
-        _drop_torn_line(self.path)
-        return open(self.path, "a"), [time.monotonic()]
+        path = process_path(self.path, self.every_process)
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        _drop_torn_line(path)
+        return open(path, "a"), [time.monotonic()]
 
     def _write(self, handle: tuple[IO[str], list[float]], run: int, records: list[Record]):
         file, synced = handle

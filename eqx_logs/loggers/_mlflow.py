@@ -12,6 +12,7 @@ from ._base import (
     distinct_name,
     flat_items,
     is_scalar,
+    process_suffix,
     require,
     unique_name,
 )
@@ -65,7 +66,9 @@ class MLflowLogger(AbstractLogger):
             )
         else:
             experiment_id = experiment.experiment_id
-        mlflow_run = client.create_run(experiment_id, run_name=f"{self.run_name}-{run}")
+        mlflow_run = client.create_run(
+            experiment_id, run_name=f"{self.run_name}-{run}{process_suffix(self.every_process)}"
+        )
         return client, mlflow_run.info.run_id, {}
 
     def _unstorable(self, leaf: np.ndarray) -> str | None:

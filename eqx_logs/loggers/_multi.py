@@ -16,6 +16,7 @@ class MultiLogger(AbstractLogger):
             if not isinstance(logger, AbstractLogger):
                 raise TypeError(f"MultiLogger takes loggers, got {logger!r}.")
         self.loggers = loggers
+        self.every_process = any(logger.every_process for logger in loggers)
         self._writer = Writer("MultiLogger")
 
     def _open(self, run: int) -> None:

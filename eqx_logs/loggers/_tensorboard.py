@@ -9,7 +9,16 @@ from typing import IO, Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, not_complex, require
+from ._base import (
+    AbstractLogger,
+    Record,
+    finite,
+    flat_items,
+    is_scalar,
+    not_complex,
+    process_suffix,
+    require,
+)
 
 
 @functools.cache
@@ -105,7 +114,7 @@ class TensorBoardLogger(AbstractLogger):
         return not_complex(leaf)
 
     def _open(self, run: int) -> tuple[_EventFile, dict[str, _EventFile], dict[str, int]]:
-        rundir = os.path.join(self.logdir, f"run_{run}")
+        rundir = os.path.join(self.logdir, f"run_{run}{process_suffix(self.every_process)}")
         return _EventFile(rundir, self.fsync_every), {}, {}
 
     def _write(self, handle, run: int, records: list[Record]) -> None:

@@ -4,7 +4,16 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import AbstractLogger, Record, finite, flat_items, is_scalar, not_complex, require
+from ._base import (
+    AbstractLogger,
+    Record,
+    finite,
+    flat_items,
+    is_scalar,
+    not_complex,
+    process_suffix,
+    require,
+)
 
 
 class WandbLogger(AbstractLogger):
@@ -39,7 +48,7 @@ class WandbLogger(AbstractLogger):
             os.makedirs(self.dir, exist_ok=True)
         wandb_run = wandb.init(
             project=self.project,
-            name=f"{self.name}-{run}",
+            name=f"{self.name}-{run}{process_suffix(self.every_process)}",
             group=self.name,
             dir=self.dir,
             mode=self.mode,
