@@ -14,7 +14,11 @@ import jax
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 process, port, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 jax.distributed.initialize(
-    f"127.0.0.1:{port}", num_processes=2, process_id=process, initialization_timeout=60
+    f"127.0.0.1:{port}",
+    num_processes=2,
+    process_id=process,
+    coordinator_bind_address=f"127.0.0.1:{port}",  # loopback only
+    initialization_timeout=60,
 )
 
 import jax.numpy as jnp  # noqa: E402
