@@ -144,6 +144,8 @@ class Stack(AbstractReduction):
         # Replay b's stored events, oldest first, into a.
         stored = self.finalize(b)
         size = jtu.tree_leaves(stored)[0].shape[0]
+        if size == 0:  # a key without events (a loop of no trips): nothing to replay
+            return a
         num = jnp.minimum(b["index"], size)
 
         def body(i, state):

@@ -27,6 +27,7 @@ import pytest
 from helpers import ATOL, RTOL, assert_close, assert_logs, padded
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 import eqx_logs
 
@@ -56,8 +57,9 @@ class Scan:
     length: int
     reverse: bool
     unroll: int
-    log_index: bool  # log the int32 element of xs = arange(length) under "n"
+    log_index: bool  # log the int32 element of xs = arange(length) under `index_key`
     body: Any
+    index_key: str = "n"  # "N" inside a ShardMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Fori:
     upper: int
     log_index: bool
     body: Any
+    index_key: str = "n"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +97,16 @@ class Checkpoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class ShardMap:
+    """`jax.shard_map` over a mesh of one device (axis "dev"). Its keys are upper case (a key
+    logged inside a shard_map cannot be logged outside it); spooled with `across="dev"`, they
+    equal the oracle's events of the same lower-case key."""
+
+    body: Any
+    check_vma: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class While:
     trips: int  # lax.while_loop on a counter: no static bound on its events
     body: Any
@@ -103,6 +116,7 @@ class While:
 
 def _value(xp, key: str, variant: int, x):
     """The value a Log node records for `key`; the same formula for numpy and jax.numpy."""
+    key = key.lower()
     if key == "a":  # shaped like x
         return (x, 2.0 * x - 1.0, xp.cos(x))[variant % 3]
     if key == "b":  # scalar
@@ -131,11 +145,11 @@ def _source(xp, on: str, x, z):
 
 
 def _key_shape(key: str, x_shape: tuple[int, ...]) -> tuple[int, ...]:
-    return {"a": x_shape, "b": (), "c": (2,), "n": ()}[key]
+    return {"a": x_shape, "b": (), "c": (2,), "n": ()}[key.lower()]
 
 
 def _key_dtype(key: str):
-    return np.int32 if key == "n" else np.float32
+    return np.int32 if key.lower() == "n" else np.float32
 
 
 # ----------------------------------------------------------------------------------------
@@ -190,7 +204,7 @@ def _build(node, memo: dict, site_reduce: dict | None):
 
         def step(s, i):
             if node.log_index:
-                eqx_logs.log("n", i)
+                eqx_logs.log(node.index_key, i)
             s = body(s)
             return s, 0.5 * s[0]
 
@@ -204,7 +218,7 @@ def _build(node, memo: dict, site_reduce: dict | None):
 
         def fori_body(i, s):
             if node.log_index:
-                eqx_logs.log("n", i)
+                eqx_logs.log(node.index_key, i)
             return body(s)
 
         def run(s):
@@ -230,6 +244,14 @@ def _build(node, memo: dict, site_reduce: dict | None):
         run = jax.jit(build(node.body, memo, site_reduce))
     elif isinstance(node, Checkpoint):
         run = jax.checkpoint(build(node.body, memo, site_reduce))
+    elif isinstance(node, ShardMap):
+        run = jax.shard_map(
+            build(node.body, memo, site_reduce),
+            mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",)),
+            in_specs=P(),
+            out_specs=P(),
+            check_vma=node.check_vma,
+        )
     elif isinstance(node, While):
         body = build(node.body, memo, site_reduce)
 
@@ -309,7 +331,7 @@ class Oracle:
             ys = np.zeros((node.length, *self.x_shape), np.float32)
             for i in reversed(order) if node.reverse else order:
                 if node.log_index:
-                    self.record("n", i)
+                    self.record(node.index_key, i)
                 s = self.run(node.body, s)
                 ys[i] = 0.5 * s[0]
             x, z = s
@@ -317,7 +339,7 @@ class Oracle:
         if isinstance(node, Fori):
             for i in range(node.lower, node.upper):
                 if node.log_index:
-                    self.record("n", i)
+                    self.record(node.index_key, i)
                 s = self.run(node.body, s)
             return s
         if isinstance(node, While):
@@ -334,7 +356,7 @@ class Oracle:
             index = int(self.compare(src, node.threshold))
             index += int(self.compare(src, node.threshold + 0.5))
             return self.run(node.branches[index], s)
-        if isinstance(node, Jit | Checkpoint):
+        if isinstance(node, Jit | Checkpoint | ShardMap):
             return self.run(node.body, s)
         raise AssertionError(node)
 
@@ -379,7 +401,7 @@ def bounds(node, select=None) -> dict[str, int | None]:
     if isinstance(node, Scan | Fori):
         trips = node.length if isinstance(node, Scan) else node.upper - node.lower
         index = node.log_index and (select is None or select(()))
-        per_trip = _plus({"n": 1} if index else {}, bounds(node.body, select))
+        per_trip = _plus({node.index_key: 1} if index else {}, bounds(node.body, select))
         return {k: None if n is None else n * trips for k, n in per_trip.items()}
     if isinstance(node, While):
         return {k: None for k in bounds(node.body, select)}
@@ -390,7 +412,7 @@ def bounds(node, select=None) -> dict[str, int | None]:
             for k, n in bounds(branch, select).items():
                 out[k] = None if n is None or out.get(k, 0) is None else max(out.get(k, 0), n)
         return out
-    if isinstance(node, Jit | Checkpoint):
+    if isinstance(node, Jit | Checkpoint | ShardMap):
         return bounds(node.body, select)
     raise AssertionError(node)
 
@@ -639,6 +661,7 @@ def programs(
     loops: tuple[str, ...] = ("scan", "fori"),
     batched: bool = False,
     tags: tuple[str, ...] = (),
+    shard_map: bool = False,
 ):
     """A random program tree: at most MAX_LOGS Log nodes (a Seq may repeat a child, which
     then runs twice) and control flow nested at most MAX_DEPTH deep.
@@ -647,22 +670,27 @@ def programs(
     so every logged value is batched under `vmap`. `loops` may add "while". With `batched`,
     nothing logs the loop index either, but predicates may read `x` (batched under `vmap`)
     and a while loop may take one more trip depending on the state. With `tags`, every Log
-    node carries a random subset of them.
+    node carries a random subset of them. With `shard_map`, a ShardMap node may appear
+    (not nested in another).
     """
     budget = [MAX_LOGS]
     ons = ["z"] if vmap_safe else ["x", "z"]
     thresholds = st.sampled_from([-0.5, 0.0, 0.35, 0.7, 1.0])
     control = ["seq", *loops, "cond", "switch", "jit", "checkpoint"]
+    inside = [False]  # drawing the body of a ShardMap
 
     def log_index():
         return False if vmap_safe or batched else draw(st.booleans())
 
     def node(depth):
         kinds = _LEAVES + (control if depth < MAX_DEPTH else [])
+        if shard_map and not inside[0] and depth < MAX_DEPTH:
+            kinds = [*kinds, "shard_map"]
         kind = draw(st.sampled_from(kinds))
         if kind == "log" and budget[0] > 0:
             budget[0] -= 1
-            keys = draw(st.lists(st.sampled_from("abc"), min_size=1, max_size=2, unique=True))
+            names = "ABC" if inside[0] else "abc"
+            keys = draw(st.lists(st.sampled_from(names), min_size=1, max_size=2, unique=True))
             items = tuple((k, draw(st.integers(0, 2))) for k in keys)
             if not tags:
                 return Log(items)
@@ -675,6 +703,7 @@ def programs(
                 repeat = children and draw(st.integers(0, 3)) == 0
                 children.append(children[-1] if repeat else node(depth + 1))
             return Seq(tuple(children))
+        index_key = "N" if inside[0] else "n"
         if kind == "scan":
             return Scan(
                 length=draw(st.integers(0, 4)),
@@ -682,11 +711,18 @@ def programs(
                 unroll=draw(st.sampled_from([1, 2])),
                 log_index=log_index(),
                 body=node(depth + 1),
+                index_key=index_key,
             )
         if kind == "fori":
             lower = draw(st.integers(0, 2))
             upper = lower + draw(st.integers(0, 3))
-            return Fori(lower, upper, log_index(), node(depth + 1))
+            return Fori(lower, upper, log_index(), node(depth + 1), index_key)
+        if kind == "shard_map":
+            inside[0] = True
+            try:
+                return ShardMap(node(depth + 1), draw(st.booleans()))
+            finally:
+                inside[0] = False
         if kind == "while":
             trips = draw(st.integers(0, 3))
             if not batched:
@@ -717,8 +753,8 @@ def inputs(draw, shape, batch: int | None = None):
 
 
 @st.composite
-def cases(draw, vmap_safe=False, batch: int | None = None, loops=("scan", "fori")):
-    root = draw(programs(vmap_safe=vmap_safe, loops=loops))
+def cases(draw, vmap_safe=False, batch: int | None = None, loops=("scan", "fori"), shard_map=False):
+    root = draw(programs(vmap_safe=vmap_safe, loops=loops, shard_map=shard_map))
     x0, z0 = draw(inputs(draw(x_shapes), batch))
     return root, x0, z0
 
@@ -766,7 +802,7 @@ def _bounded(root) -> bool:
 
 
 @st.composite
-def reduction_cases(draw, batch: int | None = None):
+def reduction_cases(draw, batch: int | None = None, shard_map: bool = False):
     """`(root, x0, z0, z_axis, spec, interval)`: a program that logs (while loops allowed,
     taking one more trip or not depending on the state), inputs (with `batch`, a batch of
     `x`, and `z` batched when `z_axis` is 0), a reduction spec and an interval.
@@ -775,7 +811,7 @@ def reduction_cases(draw, batch: int | None = None):
     programs run in an outer scan, for more events. With `batch`, some predicate reads the
     batched state and the lanes get spread-out inputs, so that predicates split them."""
     kind = draw(st.sampled_from(KINDS))
-    root = draw(programs(loops=("scan", "fori", "while"), batched=True))
+    root = draw(programs(loops=("scan", "fori", "while"), batched=True, shard_map=shard_map))
     assume(count_logs(root) > 0)
     root = draw(in_outer_scan(root))
     x0, z0 = draw(inputs(draw(x_shapes), batch))
@@ -1028,19 +1064,20 @@ def test_config_reduction_and_selection():
 
 
 @settings(max_examples=300, **SETTINGS)
-@given(cases())
+@given(cases(shard_map=True))
 def test_spool_matches_oracle(case):
-    """spool(f) records exactly the oracle's events, padded to the static bound."""
+    """spool(f) records exactly the oracle's events, padded to the static bound (a shard_map's
+    over its one device, merged `across` it)."""
     root, x0, z0 = case
     o = oracle(root, x0, z0)
-    (x, z), logs = eqx_logs.spool(as_function(root))(x0, z0)
+    (x, z), logs = eqx_logs.spool(as_function(root), across="dev")(x0, z0)
     assert_close(x, o.out[0], "x")
     assert_close(z, o.out[1], "z")
     assert_logs(logs, *o.expected())
 
 
 @settings(max_examples=80, **SETTINGS)
-@given(cases())
+@given(cases(shard_map=True))
 def test_jit_of_spool_matches_oracle(case):
     """f alone, then spool(f), then jax.jit(spool(f)): inner jits traced without logs are
     re-traced inside the spool, and cached traces are reused without losing events."""
@@ -1050,7 +1087,7 @@ def test_jit_of_spool_matches_oracle(case):
     x, z = f(x0, z0)  # outside any spool: logs do nothing
     assert_close(x, o.out[0], "x")
     assert_close(z, o.out[1], "z")
-    for spooled in (eqx_logs.spool(f), jax.jit(eqx_logs.spool(f))):
+    for spooled in (eqx_logs.spool(f, across="dev"), jax.jit(eqx_logs.spool(f, across="dev"))):
         (x, z), logs = spooled(x0, z0)
         assert_close(x, o.out[0], "x")
         assert_close(z, o.out[1], "z")
@@ -1058,7 +1095,7 @@ def test_jit_of_spool_matches_oracle(case):
 
 
 @settings(max_examples=80, **SETTINGS)
-@given(cases())
+@given(cases(shard_map=True))
 def test_spool_of_grad_matches_oracle(case):
     """spool(value_and_grad(f)): forward events once, with primal values; grads unchanged."""
     root, x0, z0 = case
@@ -1069,7 +1106,8 @@ def test_spool_of_grad_matches_oracle(case):
         x, z = f(x, z)
         return jnp.sum(x) + z
 
-    (value, grads), logs = eqx_logs.spool(jax.value_and_grad(scalar, argnums=(0, 1)))(x0, z0)
+    value_and_grad = jax.value_and_grad(scalar, argnums=(0, 1))
+    (value, grads), logs = eqx_logs.spool(value_and_grad, across="dev")(x0, z0)
     assert_close(value, np.sum(o.out[0]) + o.out[1], "value")
     want_grads = jax.grad(scalar, argnums=(0, 1))(x0, z0)  # outside any spool
     assert_close(grads[0], want_grads[0], "dx")
@@ -1081,7 +1119,7 @@ BATCH = 2
 
 
 @settings(max_examples=80, **SETTINGS)
-@given(cases(vmap_safe=True, batch=BATCH))
+@given(cases(vmap_safe=True, batch=BATCH, shard_map=True))
 def test_vmap_matches_oracle_per_lane(case):
     """spool(vmap(f)) stacks lanes on axis 1, vmap(spool(f)) on axis 0."""
     root, xs, z0 = case
@@ -1093,12 +1131,12 @@ def test_vmap_matches_oracle_per_lane(case):
     want_z = np.stack([o.out[1] for o in lanes])
     f = as_function(root)
 
-    (x, z), logs = eqx_logs.spool(jax.vmap(f, in_axes=(0, None)))(xs, z0)
+    (x, z), logs = eqx_logs.spool(jax.vmap(f, in_axes=(0, None)), across="dev")(xs, z0)
     assert_close(x, want_x, "x")
     assert_close(z, want_z, "z")
     assert_logs(logs, {k: np.stack([e[0][k] for e in expected], axis=1) for k in keys}, counts)
 
-    (x, z), logs = jax.vmap(eqx_logs.spool(f), in_axes=(0, None))(xs, z0)
+    (x, z), logs = jax.vmap(eqx_logs.spool(f, across="dev"), in_axes=(0, None))(xs, z0)
     assert_close(x, want_x, "x")
     assert_close(z, want_z, "z")
     assert_logs(logs, {k: np.stack([e[0][k] for e in expected], axis=0) for k in keys}, counts)
@@ -1131,16 +1169,18 @@ def test_capacity_stack_matches_oracle(case, capacity, keep):
 
 
 @settings(max_examples=100, **SETTINGS)
-@given(reduction_cases())
+@given(reduction_cases(shard_map=True))
 def test_reductions_match_oracle(case):
     """spool(f, reduce=..., interval=k) for every reduction (by name, EMA, Stack with a
     capacity, Collect, Window, Fanout) against numpy applied to the oracle's events; while
-    loops too (buffers then get a capacity)."""
+    loops too (buffers then get a capacity). A shard_map's keys are merged `across` its one
+    device with the reduction's `merge`."""
     root, x0, z0, _, spec, interval = case
     o = oracle(root, x0, z0)
     config = Config(reduce=spec, interval=interval)
     f = as_function(root)
-    (x, z), logs = eqx_logs.spool(f, reduce=make_reduction(spec), interval=interval)(x0, z0)
+    reduce = make_reduction(spec)
+    (x, z), logs = eqx_logs.spool(f, reduce=reduce, interval=interval, across="dev")(x0, z0)
     assert_close(x, o.out[0], "x")
     assert_close(z, o.out[1], "z")
     assert_reduced(logs, expected_reduced(o, config))
