@@ -62,13 +62,19 @@ class _KeyInfo:
     # The manual mesh axes (`jax.shard_map`, `jax.pmap`) the key is logged under: its leading
     # batch axes, one per mesh axis, as `vmap`'s (see `Interpreter.manual`).
     mesh: tuple[str, ...] = ()
+    # The `vmap` axis names of the batch axes after the mesh axes (None where unnamed).
+    lane_names: tuple[Any, ...] = ()
+
+    def axis_names(self) -> tuple[Any, ...]:
+        """A name per batch axis: the mesh axes, then the vmap axes (`across` merges these)."""
+        return self.mesh + self.lane_names
 
     def to_lanes_as_events(self) -> None:
         batch = self.batch_shape()
         self.leaves = [jax.ShapeDtypeStruct(s.shape[self.nbatch :], s.dtype) for s in self.leaves]
         self.steps = {n: _unbatched(s, batch) for n, s in self.steps.items()}
         self.specs = [None if spec is None else spec[self.nbatch :] for spec in self.specs]
-        self.nbatch, self.lanes_as_events = 0, True
+        self.nbatch, self.lanes_as_events, self.lane_names = 0, True, ()
 
     def shard_like_values(self, state: Any) -> Any:
         """`state` (of the value channel) with each leaf that holds values of a sharded leaf
@@ -471,6 +477,7 @@ class Interpreter:
                     reduce=[(site, params["reduce"])],
                     specs=[None if mesh else _compat.explicit_spec(avals[i]) for i in sub_leaves],
                     mesh=mesh,
+                    lane_names=params["axis_names"],
                 )
                 continue
             if info.mesh != mesh:
@@ -481,6 +488,14 @@ class Interpreter:
                     f"{_site_list(info.sites)}. Each device reduces the events it logs inside a "
                     "shard_map (or pmap) on its own, so those events cannot share a key with "
                     "others: give them a key of their own."
+                )
+            names = params["axis_names"]
+            if names != info.lane_names and set(self.policy.across) & {*names, *info.lane_names}:
+                raise ValueError(
+                    f"eqx_logs.spool(across={self.policy.across!r}): key {key!r} is logged "
+                    f"under vmap axes {names} at {site} and {info.lane_names} at "
+                    f"{_site_list(info.sites)}, so its lanes cannot be merged over one axis. "
+                    "Log it under the same vmaps everywhere, or give the sites keys of their own."
                 )
             if info.treedef != sub_def:
                 raise ValueError(
@@ -922,23 +937,23 @@ class Interpreter:
         return key_rows, finalized
 
     def _check_across(self) -> None:
-        axes = {a for info in self.info.values() for a in info.mesh}
+        axes = {a for info in self.info.values() for a in info.axis_names() if a is not None}
         missing = [a for a in self.policy.across if a not in axes]
         if axes and missing:
             raise ValueError(
-                f"eqx_logs.spool(across={self.policy.across!r}): no shard_map (or pmap) that "
-                f"logs has the manual mesh axis {missing[0]!r}; those that log are over "
-                f"{sorted(axes)}."
+                f"eqx_logs.spool(across={self.policy.across!r}): no shard_map, pmap or named "
+                f"vmap that logs has the axis {missing[0]!r}; those that log are over "
+                f"{sorted(axes, key=str)}."
             )
 
     def _merge_across(
         self, key: str, state: dict[str, Any]
     ) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """`key`'s state with the devices' states merged over the mesh axes the policy names
-        in `across`, in device order; and its batch shape left."""
+        """`key`'s state with the devices' (or vmap lanes') states merged over the axes the
+        policy names in `across`, in device (lane) order; and its batch shape left."""
         info = self.info[key]
         nbatch = info.nbatch
-        merged = [j for j, a in enumerate(info.mesh) if a in self.policy.across]
+        merged = [j for j, a in enumerate(info.axis_names()) if a in self.policy.across]
         state, batch, bound = dict(state), info.batch_shape(), self._bounds[key]
         for j in reversed(merged):  # later axes first: row-major device order
             size, rest = batch[j], batch[:j] + batch[j + 1 :]

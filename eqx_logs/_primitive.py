@@ -3,7 +3,8 @@
 One call to `log` binds `log_p` once. Its operands are the value leaves of every key, then the
 step scalars, then (if `masked`) a boolean validity mask; its parameters say how to rebuild
 them (`treedef`, `steps`) and carry the call's `tags`, `reduce`, `site` (where it was called,
-for error messages) and `nbatch` (how many leading axes vmap added). The mask is added by
+for error messages), `nbatch` (how many leading axes vmap added) and `axis_names` (their
+`vmap` axis names, outermost first; None where unnamed). The mask is added by
 `_masking.py` when vmap turns a cond or while loop with a batched predicate into code that runs
 every branch or iteration for every lane: it marks the lanes where the event really happens.
 `log_p` has no outputs and an effect of its own, so it survives DCE, AD, remat and control
@@ -110,11 +111,11 @@ def _leading(x: Any, dim: Any, size: int) -> Any:
     return x if dim == 0 else jnp.moveaxis(x, dim, 0)
 
 
-def _log_batch(args, dims, *, treedef, nbatch, **params):
+def _log_batch(axis_data, args, dims, *, treedef, nbatch, axis_names, **params):
     """A key whose leaves (and the call's steps and mask) are all unbatched stays unbatched;
     the others get a leading batch axis, unbatched leaves broadcast. So a key's layout does
     not depend on the keys logged in the same call."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not _compat.not_mapped)
+    size, name = _compat.axis_size_and_name(axis_data)  # (called even if nothing is batched)
     n_leaves = treedef.num_leaves
     mapped = [d is not _compat.not_mapped for d in dims]
     shared = any(mapped[n_leaves:])  # steps and mask
@@ -130,10 +131,11 @@ def _log_batch(args, dims, *, treedef, nbatch, **params):
         leaves, sub = jtu.tree_flatten(keys)
         ops = [args[i] for i in [*leaves, *rest]]
         if not want:
-            log_p.bind(*ops, treedef=sub, nbatch=nbatch, **params)
+            log_p.bind(*ops, treedef=sub, nbatch=nbatch, axis_names=axis_names, **params)
             continue
         moved = [_leading(a, dims[i], size) for a, i in zip(ops, [*leaves, *rest])]
-        log_p.bind(*moved, treedef=sub, nbatch=nbatch + 1, **params)
+        names = (name, *axis_names)
+        log_p.bind(*moved, treedef=sub, nbatch=nbatch + 1, axis_names=names, **params)
     return [], []
 
 
@@ -148,7 +150,7 @@ def _log_transpose(cts, *args, **params):
 _compat.def_jvp(log_p, _log_jvp)
 _compat.def_primal_only(log_p)  # `_log_jvp` without tracing it at every bind under grad
 _compat.def_transpose(log_p, _log_transpose)
-_compat.def_batching(log_p, _log_batch)
+_compat.def_batching_with_axis(log_p, _log_batch)
 _compat.keep_in_loops(log_p, LogEffect)
 
 
@@ -499,6 +501,7 @@ def bind(
         site=site,
         rule=getattr(_local, "rule", None),
         nbatch=0,
+        axis_names=(),
         masked=False,
     )
 

@@ -524,3 +524,68 @@ def test_memory_of_reductions_in_a_long_scan():
     temp1, out1 = _memory(reduce="stack")
     assert 90 < out1 / out100 < 110, (out1 / ARRAY, out100 / ARRAY)
     assert out1 >= STEPS * ARRAY
+
+
+def _lanes_program(x):
+    def step(c, i):
+        c = jnp.sin(c) + i
+        el.log({"s": c.sum(), "v": c})
+        return c, None
+
+    return lax.scan(step, x, jnp.arange(3.0))[0]
+
+
+def _lanes_reference(xs):
+    """Per step and lane, `s` of `_lanes_program` in numpy: shape (steps, lanes)."""
+    c, out = np.asarray(xs, np.float32), []
+    for i in range(3):
+        c = np.sin(c) + i
+        out.append(c.sum(-1))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "sum", "max", "var", "stack", "first", "last"])
+def test_across_merges_named_vmap_lanes(reduce):
+    """`across` names a vmap's `axis_name` as it names a mesh axis: the lanes' results are
+    merged with the reduction's `merge`, lane 0's events first."""
+    xs = jnp.arange(8.0).reshape(4, 2) / 8
+    s = _lanes_reference(xs)
+    want = {
+        "mean": s.mean(),
+        "sum": s.sum(),
+        "max": s.max(),
+        "var": s.var(),
+        "stack": s.T.reshape(-1),
+        "first": s[0, 0],
+        "last": s[-1, -1],
+    }[reduce]
+    fn = jax.vmap(_lanes_program, axis_name="b")
+    _, logs = el.spool(fn, reduce=reduce, across="b")(xs)
+    np.testing.assert_allclose(logs["s"], want, rtol=1e-5, atol=1e-6)
+    assert int(logs.count["s"]) == s.size
+    # without `across`, the lanes stay apart
+    _, apart = el.spool(fn, reduce=reduce)(xs)
+    assert np.shape(apart["s"])[-1 if reduce == "stack" else 0] == 4
+
+
+def test_across_one_of_two_nested_vmaps():
+    xs = jnp.arange(16.0).reshape(2, 4, 2) / 16
+    fn = jax.vmap(jax.vmap(_lanes_program, axis_name="inner"), axis_name="outer")
+    _, logs = el.spool(fn, reduce="mean", across="inner")(xs)
+    want = [_lanes_reference(x).mean() for x in xs]  # one mean per outer lane
+    np.testing.assert_allclose(logs["s"], want, rtol=1e-5)
+    _, logs = el.spool(fn, reduce="mean", across=("outer", "inner"))(xs)
+    np.testing.assert_allclose(logs["s"], _lanes_reference(xs.reshape(8, 2)).mean(), rtol=1e-5)
+
+
+def test_across_errors_name_the_axes_and_sites():
+    xs = jnp.ones((4, 2))
+    with pytest.raises(ValueError, match=r"across=\('x',\).*named vmap.*axis 'x'.*\['b'\]"):
+        el.spool(jax.vmap(_lanes_program, axis_name="b"), across="x")(xs)
+
+    def two_sites(xs):  # one key under two different vmaps
+        jax.vmap(_lanes_program, axis_name="b")(xs)
+        return jax.vmap(_lanes_program, axis_name="c")(xs)
+
+    with pytest.raises(ValueError, match=r"key 's'.*vmap axes \('c',\).*\('b',\)"):
+        el.spool(two_sites, across="b")(xs)
