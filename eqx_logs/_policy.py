@@ -94,11 +94,12 @@ class Policy(eqx.Module):
         `"drop"` to remove matching keys; the first matching pattern wins.
     - `prefix`: prepended to every output key.
     - `key`: a `jax.random.key` for reductions that sample (`Sample`).
-    - `across`: names of manual mesh axes (`jax.shard_map`, `jax.pmap`): the events each
-        device reduced on its own are merged over these axes, with each reduction's `merge`,
-        in device order (a Stack holds device 0's events, then device 1's, ...). The key's
-        output then has no axis for them. By default each device's result is kept, on its own
-        axis after the event axis.
+    - `across`: names of manual mesh axes (`jax.shard_map`, `jax.pmap`) or of `jax.vmap`
+        axes (its `axis_name`) inside the spool: the events each device (or lane) reduced on
+        its own are merged over these axes, with each reduction's `merge`, in device order (a
+        Stack holds device 0's events, then device 1's, ...). The key's output then has no
+        axis for them. By default each device's result is kept, on its own axis after the
+        event axis.
 
     Precedence for a key's reduction: a matching rule, then the reduction named at the
     `log(..., reduce=...)` call site, then `reduce`.

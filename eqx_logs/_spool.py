@@ -54,9 +54,10 @@ def spool(
     - `keep`: also pass the captured events on to an enclosing spool (by default an inner
         spool consumes them). Events this spool does not select always pass on.
     - `key`: a `jax.random.key` for sampling reductions.
-    - `across`: manual mesh axes (`jax.shard_map`, `jax.pmap`) to merge the devices' results
-        over, with each reduction's `merge` (see `eqx_logs.Policy`). By default a key logged
-        inside a shard_map has one output axis per manual mesh axis, after the event axis.
+    - `across`: manual mesh axes (`jax.shard_map`, `jax.pmap`) or named `jax.vmap` axes to
+        merge the devices' (lanes') results over, with each reduction's `merge` (see
+        `eqx_logs.Policy`). By default a key logged inside a shard_map has one output axis per
+        manual mesh axis, after the event axis.
 
     **Returns:**
 
