@@ -5,7 +5,8 @@ Four CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=4`, set here
 environment sets it). Two measurements, each checked for equal values first:
 
 - runtime of `jit(spool(shard_map(train)))` against the same scan of shard_map steps
-  returning its metrics by hand (interleaved rounds, median of per-round ratios);
+  returning its metrics by hand (interleaved rounds, alternating which goes first, 3 calls
+  each; median of per-round ratios);
   target 1.05. The global loss is merged over the devices with `across="d"` (a mean of
   every device's losses; by hand, each device's losses returned and averaged), the
   per-device gradient norms are kept per device.
@@ -97,9 +98,13 @@ def runtime(mesh, rounds: int) -> dict[str, float]:
     np.testing.assert_allclose(logs["grad_norm"], mean_norm, rtol=1e-5)
     pairs = {"stacked per device": (stacked, hand_stacked), "across": (merged, hand_merged)}
     ratios: dict[str, list[float]] = {name: [] for name in pairs}
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, (a, b) in pairs.items():
-            ratios[name].append(timed(a, w, xs, ys) / timed(b, w, xs, ys))
+            # alternate which goes first; each time is the sum of 3 calls (one is ~15 ms)
+            first, second = (a, b) if i % 2 == 0 else (b, a)
+            t1 = sum(timed(first, w, xs, ys) for _ in range(3))
+            t2 = sum(timed(second, w, xs, ys) for _ in range(3))
+            ratios[name].append(t1 / t2 if i % 2 == 0 else t2 / t1)
     return {name: float(np.median(r)) for name, r in ratios.items()}
 
 

@@ -62,6 +62,7 @@ class _KeyInfo:
     # The manual mesh axes (`jax.shard_map`, `jax.pmap`) the key is logged under: its leading
     # batch axes, one per mesh axis, as `vmap`'s (see `Interpreter.manual`).
     mesh: tuple[str, ...] = ()
+    devices: Any = None  # the `jax.sharding.Mesh` of those axes
     # The `vmap` axis names of the batch axes after the mesh axes (None where unnamed).
     lane_names: tuple[Any, ...] = ()
 
@@ -200,10 +201,19 @@ def unbounded(counts: Counts) -> Counts:
     return {k: None for k in counts}
 
 
-def _unsharded(x: Any, axis: int) -> Any:
-    """`x` with its `axis` on every device: where Explicit mesh axes shard it there, each
-    device reads every device's block of it (as a merge over devices does) only so."""
+def _shapes(tree: Any) -> Any:
+    return jtu.tree_structure(tree), [
+        (jnp.shape(x), jnp.result_type(x)) for x in jtu.tree_leaves(tree)
+    ]
+
+
+def _unsharded(x: Any, axis: int, mesh: Any) -> Any:
+    """`x` with its `axis` (a mesh axis of `mesh`, or a vmap's: None) on every device, once:
+    a merge over the devices then reads each device's block without moving it again (and
+    where Explicit mesh axes shard `x` there, only so may it read them)."""
     spec = _compat.explicit_spec(jax.typeof(x))
+    if spec is None and mesh is not None and isinstance(mesh, jax.sharding.Mesh):
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
     if spec is None or len(spec) <= axis or spec[axis] is None:
         return x
     spec = PartitionSpec(*spec[:axis], None, *spec[axis + 1 :])
@@ -325,20 +335,22 @@ class Interpreter:
         self._bounds: dict[str, int | None] = {}  # key -> bound on its (kept) events
         self._mesh: tuple[tuple[str, int], ...] = ()  # manual mesh axes here, with sizes
         self._vary: tuple[str, ...] = ()  # those of them whose values' variation JAX checks
+        self._mesh_object: Any = None  # the mesh of the shard_map being counted
 
     @contextlib.contextmanager
-    def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False):
-        """Inside the body of a `shard_map` over `axes` (names and sizes): the events of a key
-        logged there are one device's, and its states are that device's block of the key's
-        states, whose leading batch axes are the mesh axes (of size 1 here)."""
-        outer = self._mesh, self._vary
+    def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False, mesh=None):
+        """Inside the body of a `shard_map` over `axes` (names and sizes) of `mesh`: the events
+        of a key logged there are one device's, and its states are that device's block of the
+        key's states, whose leading batch axes are the mesh axes (of size 1 here)."""
+        outer = self._mesh, self._vary, self._mesh_object
         self._mesh = self._mesh + axes
+        self._mesh_object = mesh
         if check_vma:
             self._vary = self._vary + tuple(name for name, _ in axes)
         try:
             yield
         finally:
-            self._mesh, self._vary = outer
+            self._mesh, self._vary, self._mesh_object = outer
 
     def batch_shape(self, key: str) -> tuple[int, ...]:
         """The batch shape of `key`'s states here: the mesh axes of a `shard_map` being
@@ -477,6 +489,7 @@ class Interpreter:
                     reduce=[(site, params["reduce"])],
                     specs=[None if mesh else _compat.explicit_spec(avals[i]) for i in sub_leaves],
                     mesh=mesh,
+                    devices=self._mesh_object,
                     lane_names=params["axis_names"],
                 )
                 continue
@@ -966,9 +979,11 @@ class Interpreter:
                 init = method(reduction, "init")(self._lane_struct(key, channel), bound)
                 out = jtu.tree_map(lambda x: jnp.broadcast_to(x, rest + jnp.shape(x)), init)
                 merge = _vmap(method(reduction, "merge"), nbatch - 1)
-                parts = jtu.tree_map(lambda x: _unsharded(x, j), state[channel])
-                for device in range(size):
-                    part = jtu.tree_map(lambda x: jnp.take(x, device, j), parts)
+                parts = jtu.tree_map(lambda x: _unsharded(x, j, info.devices), state[channel])
+                parts = [jtu.tree_map(lambda x: jnp.take(x, d, j), parts) for d in range(size)]
+                if _shapes(parts[0]) == _shapes(out):  # (init is merge's identity)
+                    out, parts = parts[0], parts[1:]
+                for part in parts:  # a state that grows (a stack) starts from init
                     out = merge(out, part)
                 state[channel] = out
             nbatch, batch = nbatch - 1, rest

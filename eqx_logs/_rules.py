@@ -462,7 +462,7 @@ register(_compat.COND, _cond_count, _cond_apply)
 
 def _shard_map_count(interp, eqn):
     body, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
-    with interp.manual(tuple((a, mesh.shape[a]) for a in axes)):
+    with interp.manual(tuple((a, mesh.shape[a]) for a in axes), mesh=mesh):
         return interp.count(body)
 
 
