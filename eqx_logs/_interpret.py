@@ -63,6 +63,7 @@ class _KeyInfo:
     # batch axes, one per mesh axis, as `vmap`'s (see `Interpreter.manual`).
     mesh: tuple[str, ...] = ()
     devices: Any = None  # the `jax.sharding.Mesh` of those axes
+    spec_mesh: Any = None  # the (abstract) mesh of `specs`: no mesh context is needed
     # The `vmap` axis names of the batch axes after the mesh axes (None where unnamed).
     lane_names: tuple[Any, ...] = ()
 
@@ -91,7 +92,7 @@ class _KeyInfo:
                 extra = x.ndim - len(shape)
                 if extra >= 0 and x.shape[:n] == shape[:n] and x.shape[n + extra :] == shape[n:]:
                     new = PartitionSpec(*spec[:n], *[None] * extra, *spec[n:])
-                    return jax.sharding.reshard(x, new)
+                    return jax.sharding.reshard(x, NamedSharding(self.spec_mesh, new))
             return x
 
         return jtu.tree_map(shard, state)
@@ -488,6 +489,14 @@ class Interpreter:
                     nbatch=nb,
                     reduce=[(site, params["reduce"])],
                     specs=[None if mesh else _compat.explicit_spec(avals[i]) for i in sub_leaves],
+                    spec_mesh=next(
+                        (
+                            avals[i].sharding.mesh
+                            for i in sub_leaves
+                            if _compat.explicit_spec(avals[i])
+                        ),
+                        None,
+                    ),
                     mesh=mesh,
                     devices=self._mesh_object,
                     lane_names=params["axis_names"],

@@ -423,5 +423,24 @@ def _():
     }
 
 
+@check("explicit_no_mesh_context")
+def _():
+    # a value sharded over Explicit axes, logged in a jit called without `jax.set_mesh`: the
+    # stack buffer takes the value's sharding from the value's own mesh
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.ones((8, 3)), jax.NamedSharding(explicit, P("d")))
+
+    def body(h, _):
+        h = jnp.tanh(h * 1.5)
+        eqx_logs.log({"h": h})
+        return h, h
+
+    def f(x):
+        return jax.lax.scan(body, x, None, length=3)
+
+    (_, hs), logs = jax.jit(eqx_logs.spool(f))(x)
+    return {"h": close(logs["h"], hs), "spec": spec_of(logs["h"])}
+
+
 print(json.dumps(results))
 sys.exit(0)

@@ -82,6 +82,11 @@ def test_loggers_on_sharded_programs(results):
     assert got["spool_jit"] and got["spool_eager"] and got["tap"] and got["tap_shard_map"]
 
 
+def test_explicit_sharding_without_a_mesh_context(results):
+    got = _ok(results, "explicit_no_mesh_context")
+    assert got["h"] and got["spec"] == "P(None, 'd', None)"
+
+
 def test_pmap(results):
     got = _ok(results, "pmap")
     assert got["out"] and got["p"]
