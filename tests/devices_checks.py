@@ -273,6 +273,21 @@ def _():
     got["mesh2_b"] = close(logs["m"], per.sum(1))
     _, logs = eqx_logs.spool(f2, across=("a", "b"))(x8)
     got["mesh2_both"] = close(logs["m"], per.reshape(-1))
+    # Histogram: the devices' counts summed; Sample: k of all devices' events (each a real
+    # one, none twice), the same draw for the same key
+    hist = eqx_logs.Histogram(bins=4, range=(float(s.min()), float(s.max()) + 1e-3))
+    _, logs = jax.jit(eqx_logs.spool(sm(logged), reduce=hist, across="d"))(x8)
+    got["histogram"] = close(logs["s"], np.histogram(s, 4, range=hist.range)[0])
+    sample = eqx_logs.Sample(k=5, key=jax.random.key(3))
+    _, logs = jax.jit(eqx_logs.spool(sm(logged), reduce=sample, across="d"))(x8)
+    _, again = jax.jit(eqx_logs.spool(sm(logged), reduce=sample, across="d"))(x8)
+    drawn = np.asarray(logs["s"])
+    got["sample"] = (
+        drawn.shape == (5,)
+        and all(np.isclose(s, v).any() for v in drawn)
+        and len({round(float(v), 5) for v in drawn}) == 5
+        and close(again["s"], drawn)
+    )
     try:
         eqx_logs.spool(sm(logged), across="x")(x8)
         got["typo"] = None

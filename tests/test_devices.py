@@ -113,7 +113,11 @@ def test_a_key_logged_inside_and_outside_a_shard_map_is_an_error(results):
 
 
 @pytest.mark.parametrize(
-    "name", ["mean", "sum", "max", "min", "var", "count", "stack", "first", "last", "v", "steps"]
+    "name",
+    [
+        *("mean", "sum", "max", "min", "var", "count", "stack", "first", "last", "v", "steps"),
+        *("histogram", "sample"),
+    ],
 )
 def test_across_merges_the_devices_results_with_each_reductions_merge(results, name):
     # Stack, First and Last in device order: device 0's events, then device 1's, ...
