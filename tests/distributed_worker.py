@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import eqx_logs  # noqa: E402
-from eqx_logs.loggers import JsonlLogger  # noqa: E402
+from eqx_logs.loggers import JsonlLogger, TensorBoardLogger  # noqa: E402
 
 STEPS, BATCH, DIM, LR = 3, 8, 3, 0.1
 mesh = jax.make_mesh((4,), ("d",))
@@ -108,7 +108,9 @@ tap_logger = JsonlLogger(f"{out}/tap.jsonl")
 jax.jit(tap_logger.tap(train, tap_logger.init()))(w, xs, ys)
 every = JsonlLogger(f"{out}/every.jsonl", every_process=True)
 jax.jit(every.spool(train, every.init()))(w, xs, ys)
-for logger in (spool_logger, tap_logger, every):
+board = TensorBoardLogger(f"{out}/tb")  # run_0 on process 0, run_0.process1 on process 1
+jax.jit(board.tap(train, board.init()))(w, xs, ys)
+for logger in (spool_logger, tap_logger, every, board):
     logger.close()
 multihost_utils.sync_global_devices("written")
 

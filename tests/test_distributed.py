@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import read_tensorboard
 
 from eqx_logs.loggers import read_jsonl
 
@@ -79,6 +80,7 @@ def test_spooled_logs_are_written_once_by_process_0(run):
             "spool.jsonl",
             "tap.jsonl",
             "tap.process1.jsonl",
+            "tb",
         ]
     )
     records = read_jsonl(out / "spool.jsonl")
@@ -97,6 +99,16 @@ def test_every_process_writes_its_own_copy(run):
         records = read_jsonl(out / f"every.process{i}.jsonl")
         norms = [r["value"] for r in records if r["key"] == "grad_norm"]
         np.testing.assert_allclose(norms, results[0]["want_grad_norm"], rtol=1e-5)
+
+
+def test_tensorboard_runs_per_process_read_back_with_tensorboard(run):
+    out, results = run
+    assert sorted(os.listdir(out / "tb")) == ["run_0", "run_0.process1"]
+    want = np.asarray(results[0]["want_loss"])  # (steps, devices)
+    for run_dir, devices in (("run_0", [0, 1]), ("run_0.process1", [2, 3])):
+        scalars, _ = read_tensorboard(out / "tb" / run_dir)
+        got = sorted(value for _, value in scalars["loss"])
+        np.testing.assert_allclose(got, np.sort(want[:, devices].ravel()), rtol=1e-5)
 
 
 def test_tapped_events_inside_shard_map_reach_each_devices_process_once(run):
