@@ -39,32 +39,38 @@ class PolicyConfig:
 
 
 @dataclass
-class ConsoleLoggerConfig:
+class _LoggerConfig:
+    # jax.distributed: every process writes its own copy (`.process<k>`), not process 0 alone
+    every_process: bool = False
+
+
+@dataclass
+class ConsoleLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.ConsoleLogger"
     last_only: bool = False
 
 
 @dataclass
-class JsonlLoggerConfig:
+class JsonlLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.JsonlLogger"
     path: str = "logs.jsonl"
 
 
 @dataclass
-class ArrayLoggerConfig:
+class ArrayLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.ArrayLogger"
     path: str = "arrays"
 
 
 @dataclass
-class TensorBoardLoggerConfig:
+class TensorBoardLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.TensorBoardLogger"
     logdir: str = "tensorboard"
     step: str = "step"
 
 
 @dataclass
-class WandbLoggerConfig:
+class WandbLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.WandbLogger"
     project: str | None = None
     name: str = "eqx_logs"
@@ -74,7 +80,7 @@ class WandbLoggerConfig:
 
 
 @dataclass
-class MLflowLoggerConfig:
+class MLflowLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.MLflowLogger"
     tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "eqx_logs"
@@ -83,7 +89,7 @@ class MLflowLoggerConfig:
 
 
 @dataclass
-class ProgressLoggerConfig:
+class ProgressLoggerConfig(_LoggerConfig):
     _target_: str = "eqx_logs.loggers.ProgressLogger"
     total: int | None = None
     desc: str | None = None

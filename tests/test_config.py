@@ -333,6 +333,16 @@ def test_compose_logger(overrides, cls, fields):
     check_policy(instantiate(cfg.logging), **DEFAULT)
 
 
+@pytest.mark.parametrize(
+    "name", ["console", "jsonl", "array", "tensorboard", "wandb", "mlflow", "progress"]
+)
+def test_every_process_is_a_logger_key(name):
+    # a key of every logger config (multi-process runs), off by default
+    assert instantiate(compose_cfg(f"logger={name}").logger).every_process is False
+    logger = instantiate(compose_cfg(f"logger={name}", "logger.every_process=true").logger)
+    assert logger.every_process is True
+
+
 def test_jsonl_logger_path_override_writes_there(tmp_path):
     logger = instantiate(compose_cfg(f"logger.path='{tmp_path / 'sub' / 'x.jsonl'}'").logger)
     _, logs = eqx_logs.spool(lambda x: eqx_logs.log("a", x))(jnp.float32(1.5))
