@@ -929,7 +929,7 @@ class Interpreter:
         for key, state in states.items():
             state, batch = self._merge_across(key, state)
             by_batch.setdefault(batch, {})[key] = state
-        values, count, steps, names, rows = {}, {}, {}, {}, {}
+        values, count, steps, names, rows, same = {}, {}, {}, {}, {}, set()
         for batch, group in by_batch.items():
             finished = _vmap(lambda g: {k: self._finish(k, s) for k, s in g.items()}, len(batch))
             for key, (key_rows, finals) in finished(group).items():
@@ -939,13 +939,18 @@ class Interpreter:
                 names[name] = type(reduction).__name__
                 if reduction.event_axes:
                     rows[name] = key_rows
+                    if _known(key_rows) and _known(count[name]):
+                        if np.array_equal(key_rows, count[name]):
+                            same.add(name)
                 for channel, out in finals.items():
                     out = method(self._channels[key][channel], "place_batch_axes")(out, len(batch))
                     if channel == "value":
                         values[name] = out
                     else:
                         steps.setdefault(channel.removeprefix("step:"), {})[name] = out
-        return outs, LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
+        logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
+        logs._rows_are_counts = frozenset(same)
+        return outs, logs
 
     def _finish(self, key: str, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """One lane of `key`'s outputs: its rows (for an output with an event axis), and its

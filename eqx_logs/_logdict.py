@@ -21,7 +21,7 @@ class LogDict(dict):
     through `jax.jit` and `eqx.filter_jit` as an output.
     """
 
-    __slots__ = ("_count", "_steps", "_reductions", "_rows")
+    __slots__ = ("_count", "_steps", "_reductions", "_rows", "_rows_are_counts")
 
     def __init__(
         self,
@@ -36,6 +36,9 @@ class LogDict(dict):
         self._count = dict(count or {})
         self._reductions = dict(reductions or {})
         self._rows = dict(rows or {})
+        # keys whose rows are their count (both known at trace time, as in straight-line code
+        # and scans): one leaf for both, so a jitted spool has one output for them, not two
+        self._rows_are_counts: frozenset[str] = frozenset()
         # step name -> {key -> stacked step values}
         self._steps = {name: dict(per_key) for name, per_key in (steps or {}).items()}
 
@@ -73,18 +76,19 @@ class LogDict(dict):
     def tree_flatten(self):
         keys = tuple(self)
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
-        row_keys = tuple(k for k in keys if k in self._rows)
+        shared = tuple(k for k in keys if k in self._rows_are_counts)
+        row_keys = tuple(k for k in keys if k in self._rows and k not in shared)
         children = [self[k] for k in keys]
         children += [self._count[k] for k in keys]
         children += [self._rows[k] for k in row_keys]
         for name, per_key in step_names:
             children += [self._steps[name][k] for k in per_key]
         reductions = tuple(self._reductions.get(k) for k in keys)
-        return children, (keys, step_names, reductions, row_keys)
+        return children, (keys, step_names, reductions, row_keys, shared)
 
     def tree_flatten_with_keys(self):
         children, aux = self.tree_flatten()
-        keys, step_names, _, row_keys = aux
+        keys, step_names, _, row_keys, _ = aux
         paths = [jtu.DictKey(k) for k in keys]
         paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys]
         paths += [jtu.GetAttrKey(f"rows[{k!r}]") for k in row_keys]
@@ -95,13 +99,15 @@ class LogDict(dict):
     @classmethod
     def tree_unflatten(cls, aux, children):
         # without `__init__`'s copies: JAX and Equinox unflatten an output several times a call
-        keys, step_names, reductions, row_keys = aux
+        keys, step_names, reductions, row_keys, shared = aux
         n = len(keys)
         self = cls.__new__(cls)
         dict.update(self, zip(keys, children[:n]))
         self._count = dict(zip(keys, children[n : 2 * n]))
         rest = iter(children[2 * n :])
         self._rows = {k: next(rest) for k in row_keys}
+        self._rows.update({k: self._count[k] for k in shared})
+        self._rows_are_counts = frozenset(shared)
         self._steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
         self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
         return self
@@ -112,9 +118,9 @@ def _serialize_aux(aux) -> bytes:
 
 
 def _deserialize_aux(data: bytes):
-    keys, step_names, reductions, row_keys = json.loads(data.decode())
+    keys, step_names, reductions, row_keys, shared = json.loads(data.decode())
     step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
-    return tuple(keys), step_names, tuple(reductions), tuple(row_keys)
+    return tuple(keys), step_names, tuple(reductions), tuple(row_keys), tuple(shared)
 
 
 # `jax.export` of a spooled function: its outputs include a LogDict.

@@ -157,9 +157,20 @@ def test_logdict_is_a_pytree_through_jit():
     out, logs = jax.jit(el.spool(f))(jnp.float32(2.0))
     assert isinstance(logs, el.LogDict)
     leaves, treedef = jax.tree_util.tree_flatten(logs)
-    assert len(leaves) == 4  # value, count, rows (real events), step
+    # value, count, step: the rows (real events) are the count here, known at trace time,
+    # and share its leaf (one output of the jitted program, not two)
+    assert len(leaves) == 3
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert np.array_equal(back.step["x"], [3]) and int(back.count["x"]) == 1
+    assert int(back.rows["x"]) == 1
+
+    def g(x):  # rows that differ from the count: a leaf of their own
+        lax.fori_loop(0, x.astype(jnp.int32), lambda i, c: (el.log("w", c), c)[1], 0.0)
+        return x
+
+    _, logs = jax.jit(el.spool(g, reduce=el.Stack(capacity=2)))(jnp.float32(3.0))
+    assert len(jax.tree_util.tree_leaves(logs)) == 3  # value, count, rows
+    assert int(logs.count["w"]) == 3 and int(logs.rows["w"]) == 2
 
 
 # -- scans, loops, conds ----------
