@@ -343,6 +343,13 @@ def axis_size_and_name(axis_data: Any) -> tuple[int, Any]:
     return axis_data.size, axis_data.name
 
 
+def user_axis_name(axis_data: Any) -> Any:
+    """The `axis_name` the user gave `vmap`, or None (JAX names an unnamed axis with a
+    sentinel object)."""
+    name = axis_data.name
+    return None if name is _core.no_axis_name else name
+
+
 not_mapped = None  # jax marks an unbatched operand with None (batching.NotMapped)
 
 

@@ -115,7 +115,8 @@ def _log_batch(axis_data, args, dims, *, treedef, nbatch, axis_names, **params):
     """A key whose leaves (and the call's steps and mask) are all unbatched stays unbatched;
     the others get a leading batch axis, unbatched leaves broadcast. So a key's layout does
     not depend on the keys logged in the same call."""
-    size, name = _compat.axis_size_and_name(axis_data)  # (called even if nothing is batched)
+    size = _compat.axis_size_and_name(axis_data)[0]  # (called even if nothing is batched)
+    name = _compat.user_axis_name(axis_data)
     n_leaves = treedef.num_leaves
     mapped = [d is not _compat.not_mapped for d in dims]
     shared = any(mapped[n_leaves:])  # steps and mask

@@ -8,6 +8,7 @@ from jax import lax
 import eqx_logs as el
 from eqx_logs import _compat
 from eqx_logs._primitive import is_log, log_effect
+from eqx_logs._spool import trace_filtered
 
 
 def _eqns(f, *args, enabled=True):
@@ -107,3 +108,15 @@ def test_is_traced_sees_tracers_of_every_transformation():
 
         transform(f)(x)
         assert seen == [True]
+
+
+def test_unnamed_vmap_axes_are_recorded_as_none():
+    # JAX names an unnamed vmap axis with a sentinel object: `across` must not see it as an
+    # axis (it made `across` name it in an error, and refuse an axis of a shard_map)
+    def f(x):
+        el.log("x", x)
+        return x
+
+    closed, _, _ = trace_filtered(jax.vmap(jax.vmap(f), axis_name="b"), (jnp.ones((2, 3)),), {})
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "eqx_logs.log"]
+    assert eqn.params["axis_names"] == ("b", None)
