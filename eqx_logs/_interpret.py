@@ -353,6 +353,23 @@ class Interpreter:
         finally:
             self._mesh, self._vary, self._mesh_object = outer
 
+    @contextlib.contextmanager
+    def on_device(self, args: Sequence[Any], axes: tuple[str, ...], check_vma: bool):
+        """Evaluating the body of a `shard_map` over `axes` on one device, whose blocks of the
+        operands are `args`."""
+        del args
+        with self.manual(tuple((a, 1) for a in axes), check_vma):
+            yield
+
+    def device_states(self, states: dict[str, Any]) -> dict[str, Any]:
+        """A device's states, from its blocks of them (entering a shard_map's body)."""
+        return states
+
+    def device_blocks(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
+        """A device's blocks of its states (leaving a shard_map's body over `naxes` axes)."""
+        del naxes
+        return states
+
     def batch_shape(self, key: str) -> tuple[int, ...]:
         """The batch shape of `key`'s states here: the mesh axes of a `shard_map` being
         evaluated have size 1 (each device holds its own block)."""

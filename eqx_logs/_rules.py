@@ -473,8 +473,9 @@ def _shard_map_apply(interp, eqn, invals, states):
     specs = {k: P(*axes) for k in keys}
 
     def per_device(args, sub):
-        with interp.manual(tuple((a, 1) for a in axes), check_vma):
-            outs, sub = interp.eval(body, args, sub)
+        with interp.on_device(args, axes, check_vma):
+            outs, sub = interp.eval(body, args, interp.device_states(sub))
+            sub = interp.device_blocks(sub, len(axes))
         return tuple(outs), sub
 
     run = jax.shard_map(

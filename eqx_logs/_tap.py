@@ -11,14 +11,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from . import _compat
 from ._deferred import force
 from ._interpret import INTERVAL_STEP, Interpreter
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, is_log, rebind
-from ._rules import RULES, _split, inline_copy_apply, per_device_blocks
+from ._rules import RULES, _split, inline_copy_apply
 from ._spool import trace_filtered
 
 _T = TypeVar("_T")
@@ -55,41 +54,18 @@ def _zero_of(args: Any) -> Any:
 
 
 def _tap_shard_map_apply(interp, eqn, invals, states):
-    """Each device calls back with its own events (a callback in a shard_map runs on every
-    device), its mesh coordinates among the steps; the counters of the keys logged there are
-    per device, so `interval` counts each device's events."""
-    body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
+    """spool's rule: each device calls back with its own events (a callback in a shard_map
+    runs on every device), its mesh coordinates among the steps, its own counters (scalars
+    inside, see `on_device`/`device_states`), so `interval` counts each device's events. The
+    callback needs every mesh axis manual."""
+    _, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
     if set(axes) != set(mesh.axis_names):
         raise ValueError(
             f"eqx_logs.tap: a shard_map over only some of its mesh's axes (manual {axes}, "
             f"mesh {mesh.axis_names}) logs; tap needs every axis manual there (the callback "
             "runs on each device). Use `eqx_logs.spool`, or make every axis manual."
         )
-    groups = interp.keys(body)
-
-    def per_device(args, sub):
-        lanes = interp._lanes  # (computed from the global inputs, which stay outside)
-        interp._lanes = _zero_of(args)
-        try:
-            with interp.manual(tuple((a, 1) for a in axes), check_vma):
-                sub = {g: jnp.reshape(c, ()) for g, c in sub.items()}
-                outs, sub = interp.eval(body, args, interp.threadable(sub))
-                sub = interp.threadable(sub)
-        finally:
-            interp._lanes = lanes
-        return tuple(outs), {g: jnp.reshape(c, (1,) * len(axes)) for g, c in sub.items()}
-
-    spec = P(*axes)
-    run = jax.shard_map(
-        per_device,
-        mesh=mesh,
-        in_specs=(in_specs, spec),
-        out_specs=(out_specs, spec),
-        axis_names=frozenset(axes),
-        check_vma=check_vma,
-    )
-    outs, sub = run(tuple(invals), per_device_blocks({g: states[g] for g in groups}, mesh, axes))
-    return list(outs), {**states, **sub}
+    return RULES[_compat.SHARD_MAP].apply(interp, eqn, invals, states)
 
 
 _TAP_RULES = {
@@ -141,6 +117,22 @@ class _TapInterpreter(Interpreter):
             self._guards.pop()
 
     name = "eqx_logs.tap"
+
+    @contextlib.contextmanager
+    def on_device(self, args, axes, check_vma):
+        lanes = self._lanes  # (computed from the global inputs, which stay outside)
+        self._lanes = _zero_of(args)
+        try:
+            with super().on_device(args, axes, check_vma):
+                yield
+        finally:
+            self._lanes = lanes
+
+    def device_states(self, states):  # a device's counters: scalars
+        return self.threadable({g: jnp.reshape(c, ()) for g, c in states.items()})
+
+    def device_blocks(self, states, naxes):
+        return {g: jnp.reshape(c, (1,) * naxes) for g, c in self.threadable(states).items()}
 
     def threadable(self, states):
         """Counters as arrays: one per device for the keys a shard_map logs (outside it;
