@@ -68,6 +68,18 @@ def sm(f, out_specs=P("d")):
     return jax.shard_map(f, mesh=mesh, in_specs=P("d"), out_specs=out_specs)
 
 
+def partly_manual(mesh2):
+    """A shard_map over axis "a" of a 2x2 mesh, axis "b" left to the compiler, logging each
+    device's sum."""
+    return jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
+        mesh=mesh2,
+        in_specs=P("a"),
+        out_specs=P("a"),
+        axis_names={"a"},
+    )
+
+
 hand_out, hand_v, hand_s = jax.jit(sm(by_hand, (P("d"), P(None, "d"), P(None, "d"))))(x8)
 hand_v = np.asarray(hand_v).reshape(3, 4, 2)  # (events, devices, local)
 
@@ -123,13 +135,7 @@ def _():
     _, logs = eqx_logs.spool(f2)(x8)
     want = np.asarray(x8).reshape(2, 2, 2).sum(-1)[None]
     # only "a" manual, "b" left to the compiler
-    f1 = jax.shard_map(
-        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
-        mesh=mesh2,
-        in_specs=P("a"),
-        out_specs=P("a"),
-        axis_names={"a"},
-    )
+    f1 = partly_manual(mesh2)
     _, logs1 = jax.jit(eqx_logs.spool(f1))(x8)
     return {
         "both": close(logs["m"], want),
@@ -311,13 +317,7 @@ def _():
     _, total = jax.jit(eqx_logs.spool(smx(logged), reduce="mean", across="d"))(x)
     _, big = eqx_logs.spool(smx(ragged))(x)
     mesh2x = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-    f1 = jax.shard_map(
-        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
-        mesh=mesh2x,
-        in_specs=P("a"),
-        out_specs=P("a"),
-        axis_names={"a"},
-    )
+    f1 = partly_manual(mesh2x)
     _, logs1 = jax.jit(eqx_logs.spool(f1))(jax.device_put(x8, jax.NamedSharding(mesh2x, P("a"))))
     return {
         "out": close(out, hand_out),
@@ -370,13 +370,7 @@ def _():
         )
     )(jnp.arange(8.0).reshape(4, 2))
     jax.effects_barrier()
-    f1 = jax.shard_map(
-        lambda x: (eqx_logs.log({"m": x.sum()}), x * 2)[1],
-        mesh=mesh2,
-        in_specs=P("a"),
-        out_specs=P("a"),
-        axis_names={"a"},
-    )
+    f1 = partly_manual(mesh2)
     try:
         jax.jit(eqx_logs.tap(f1, callback=lambda logs, steps: None))(x8)
         partial = None
