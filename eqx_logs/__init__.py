@@ -7,7 +7,8 @@ from ._buffers import (
     Stack as Stack,
     Window as Window,
 )
-from ._logdict import LogDict as LogDict
+from ._instrument import instrument as instrument
+from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
 from ._policy import Policy as Policy
 from ._primitive import (
     LostEventsWarning as LostEventsWarning,
@@ -30,6 +31,7 @@ from ._reductions import (
     Var as Var,
 )
 from ._spool import nolog as nolog, spool as spool
+from ._stats import log_stats as log_stats
 from ._tap import tap as tap
 
 __version__ = "0.1.0"

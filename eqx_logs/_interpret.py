@@ -31,7 +31,7 @@ from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
 from ._policy import Policy
-from ._primitive import is_log, log_effect, rebind
+from ._primitive import BACKWARD_TAG, is_log, log_effect, rebind
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
@@ -337,6 +337,7 @@ class Interpreter:
         self._mesh: tuple[tuple[str, int], ...] = ()  # manual mesh axes here, with sizes
         self._vary: tuple[str, ...] = ()  # those of them whose values' variation JAX checks
         self._mesh_object: Any = None  # the mesh of the shard_map being counted
+        self._first: _FirstNonfinite | None = None  # `Policy.first_nonfinite`, while running
 
     @contextlib.contextmanager
     def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False, mesh=None):
@@ -454,8 +455,10 @@ class Interpreter:
         return math.prod(eqn.invars[first[0]].aval.shape[:nb])
 
     def keys(self, closed: Any) -> tuple[str, ...]:
-        """The keys with a state (selected, not dropped) logged in `closed`."""
-        return tuple(k for k in self.count(closed) if k in self._reductions)
+        """The keys with a state (selected, not dropped) logged in `closed`; and where
+        those log, the state that finds the first non-finite event (`_FIRST`), if tracked."""
+        keys = tuple(k for k in self.count(closed) if k in self._reductions)
+        return (*keys, _FIRST) if keys and self._first is not None else keys
 
     name = "eqx_logs.spool"  # in errors
 
@@ -666,6 +669,11 @@ class Interpreter:
         if passed:
             rebind(eqn, invals, self.lane_mask(), keys=passed, rule=self.rule_name)
         keys = [k for k in items if k in states]
+        if self._first is not None and keys:
+            invals = [*force(invals[:n_leaves]), *invals[n_leaves:]]  # checked: all needed
+            for key in keys:
+                value = [invals[i] for i in jtu.tree_leaves(items[key])]
+                self._first.check(self, key, value, steps, mask, params, states)
         by_lane = [k for k in keys if self.info[k].lanes_as_events and params["nbatch"]]
         if by_lane:
             keys = [k for k in keys if k not in by_lane]
@@ -815,6 +823,8 @@ class Interpreter:
         lane value can reach that scan, see `_lanes.py`: a lane guard would mask them)."""
         if not self._reductions or self.policy.interval != 1 or self._lane_guards:
             return {}  # (no states at all: `_masking`'s interpreter only re-binds logs)
+        if self._first is not None:
+            return {}  # each event needs its index in the key's events, which a state counts
         if not isinstance(length, int):
             return {}
         per_iteration: dict[str, int] = {}
@@ -937,7 +947,11 @@ class Interpreter:
                     **{f"step:{n}": step for n in info.steps},
                 }
         states = {key: self._init(key, counts[key]) for key in self._reductions}
+        if self.policy.first_nonfinite:
+            self._first = _FirstNonfinite(self)
+            states[_FIRST] = self._first.init()
         outs, states = self.eval(closed, args, states, settle=False)
+        first = states.pop(_FIRST, None)
         states = self.settle(states, arrays=False)  # what is known now stays so
         self._check_across()
         # keys with the same batch shape are finalized under one vmap: a vmap per key costs
@@ -967,6 +981,8 @@ class Interpreter:
                         steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
         logs._rows_are_counts = frozenset(same)
+        if first is not None:
+            logs._nonfinite = (self._first.finish(first["value"]), self._first.tables())
         return outs, logs
 
     def _finish(self, key: str, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
@@ -1072,6 +1088,81 @@ class Interpreter:
 
 # A channel state not made yet (`Interpreter._init`).
 _FRESH = object()
+
+
+# The state of `Policy.first_nonfinite`, threaded with the keys' states (`Interpreter.keys`).
+_FIRST = "\x00first_nonfinite"
+
+
+class _FirstNonfinite:
+    """Finds the first event, in execution order, whose value has a non-finite element: a
+    state threaded through every loop, branch and custom rule where a kept key logs, as the
+    keys' states are, updated at each of their events."""
+
+    def __init__(self, interp: "Interpreter"):
+        if any(interp.info[k].mesh for k in interp._reductions):
+            keys = [k for k in interp._reductions if interp.info[k].mesh]
+            raise ValueError(
+                f"eqx_logs.spool(first_nonfinite=True): key {keys[0]!r} is logged inside a "
+                f"shard_map or pmap (at {_site_list(interp.info[keys[0]].sites)}), where "
+                "finding the first non-finite event is not supported yet. Spool inside the "
+                "shard_map, or check `logs[key]` for NaNs with `jnp.isfinite`."
+            )
+        self.keys = {k: i for i, k in enumerate(interp._reductions)}
+        sites = (s for k in interp._reductions for s in interp.info[k].sites)
+        self.sites = {s: i for i, s in enumerate(dict.fromkeys(sites))}
+        self.steps = sorted({n for k in interp._reductions for n in interp.info[k].steps})
+
+    def init(self) -> dict[str, Any]:
+        record = {"found": np.bool_(False), "backward": np.bool_(False)}
+        record.update({n: np.int32(-1) for n in ("key", "site", "event", "lane")})
+        record.update({f"step:{n}": np.int32(-1) for n in self.steps})
+        return {"value": record}
+
+    def check(self, interp, key, leaves, steps, mask, params, states) -> None:
+        """Fold one event of `key` (its value's `leaves`, batched over `params["nbatch"]`
+        leading axes; it happened where `mask`) into the state, before the event counts."""
+        nb = params["nbatch"]
+        floats = [jnp.asarray(x) for x in leaves]
+        floats = [x for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)]
+        if not floats:
+            return
+        batch = floats[0].shape[:nb]
+        bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(nb, x.ndim))) for x in floats]
+        bad = functools.reduce(jnp.logical_or, bad)
+        if mask is not True:
+            bad = jnp.logical_and(bad, _lanes.fit(mask, batch))
+        bad = jnp.ravel(bad)
+        lane = jnp.argmax(bad)
+        state = states[key]
+        before = jnp.asarray(state["seen"] if "seen" in state else state["count"])
+        if interp.info[key].lanes_as_events:  # one count for all lanes, in lane order
+            event = before + lane
+        else:
+            event = jnp.ravel(jnp.broadcast_to(before, batch))[lane]
+        record = {
+            "key": self.keys[key],
+            "site": self.sites.get(params["site"], -1),  # (-1: a rule JAX traced later)
+            "event": event,
+            "lane": lane if batch else -1,
+            "backward": BACKWARD_TAG in params["tags"],
+        }
+        for name in self.steps:
+            if name not in steps:
+                continue
+            x = jnp.asarray(steps[name])
+            record[f"step:{name}"] = jnp.ravel(x)[lane] if x.ndim else x
+        old = states[_FIRST]["value"]
+        hit = bad[lane]
+        new = jnp.logical_and(hit, jnp.logical_not(old["found"]))
+        out = {n: jnp.where(new, jnp.asarray(v, old[n].dtype), old[n]) for n, v in record.items()}
+        states[_FIRST] = {"value": {**old, **out, "found": jnp.logical_or(old["found"], hit)}}
+
+    def finish(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {n: jnp.asarray(x) for n, x in state.items()}
+
+    def tables(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        return tuple(self.keys), tuple(self.sites), tuple(self.steps)
 
 
 class _Pending:

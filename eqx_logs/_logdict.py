@@ -1,3 +1,4 @@
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +22,7 @@ class LogDict(dict):
     through `jax.jit` and `eqx.filter_jit` as an output.
     """
 
-    __slots__ = ("_count", "_steps", "_reductions", "_rows", "_rows_are_counts")
+    __slots__ = ("_count", "_steps", "_reductions", "_rows", "_rows_are_counts", "_nonfinite")
 
     def __init__(
         self,
@@ -39,6 +40,8 @@ class LogDict(dict):
         # keys whose rows are their count (both known at trace time, as in straight-line code
         # and scans): one leaf for both, so a jitted spool has one output for them, not two
         self._rows_are_counts: frozenset[str] = frozenset()
+        # `spool(first_nonfinite=True)`: (arrays, (keys, sites, step names)), else None
+        self._nonfinite: tuple[dict[str, Any], tuple] | None = None
         # step name -> {key -> stacked step values}
         self._steps = {name: dict(per_key) for name, per_key in (steps or {}).items()}
 
@@ -62,6 +65,36 @@ class LogDict(dict):
         """All step info: `{step_name: {key: values}}`."""
         return self._steps
 
+    @property
+    def first_nonfinite(self) -> "NonfiniteEvent | None":
+        """With `spool(..., first_nonfinite=True)`: the first event, in execution order,
+        whose value had a NaN or infinite element, as an `NonfiniteEvent` (its key, event
+        index, steps, call site and pass); None if every value was finite. Read it outside
+        `jax.jit` (return the LogDict from the jitted function)."""
+        if self._nonfinite is None:
+            raise AttributeError(
+                "LogDict.first_nonfinite: this spool did not look for non-finite values; pass "
+                "`first_nonfinite=True` to `eqx_logs.spool` (or to the Policy)."
+            )
+        arrays, (keys, sites, step_names) = self._nonfinite
+        if isinstance(arrays["found"], jax.core.Tracer):
+            raise TypeError(
+                "LogDict.first_nonfinite reads the values of the report, so it needs concrete "
+                "arrays: return the LogDict from the jitted function and read it outside."
+            )
+        if not bool(arrays["found"]):
+            return None
+        site = int(arrays["site"])
+        steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
+        return NonfiniteEvent(
+            key=keys[int(arrays["key"])],
+            event=int(arrays["event"]),
+            steps={n: v for n, v in steps.items() if v != -1},
+            site=sites[site] if site >= 0 else "a custom derivative rule",
+            backward=bool(arrays["backward"]),
+            lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
+        )
+
     def __getattr__(self, name: str) -> dict[str, Any]:
         try:
             return object.__getattribute__(self, "_steps")[name]
@@ -84,22 +117,29 @@ class LogDict(dict):
         for name, per_key in step_names:
             children += [self._steps[name][k] for k in per_key]
         reductions = tuple(self._reductions.get(k) for k in keys)
-        return children, (keys, step_names, reductions, row_keys, shared)
+        nonfinite = None
+        if self._nonfinite is not None:
+            arrays, tables = self._nonfinite
+            nonfinite = (tuple(arrays), tables)
+            children += list(arrays.values())
+        return children, (keys, step_names, reductions, row_keys, shared, nonfinite)
 
     def tree_flatten_with_keys(self):
         children, aux = self.tree_flatten()
-        keys, step_names, _, row_keys, _ = aux
+        keys, step_names, _, row_keys, _, nonfinite = aux
         paths = [jtu.DictKey(k) for k in keys]
         paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys]
         paths += [jtu.GetAttrKey(f"rows[{k!r}]") for k in row_keys]
         for name, per_key in step_names:
             paths += [jtu.GetAttrKey(f"{name}[{k!r}]") for k in per_key]
+        if nonfinite is not None:
+            paths += [jtu.GetAttrKey(f"first_nonfinite.{n}") for n in nonfinite[0]]
         return list(zip(paths, children)), aux
 
     @classmethod
     def tree_unflatten(cls, aux, children):
         # without `__init__`'s copies: JAX and Equinox unflatten an output several times a call
-        keys, step_names, reductions, row_keys, shared = aux
+        keys, step_names, reductions, row_keys, shared, nonfinite = aux
         n = len(keys)
         self = cls.__new__(cls)
         dict.update(self, zip(keys, children[:n]))
@@ -110,7 +150,41 @@ class LogDict(dict):
         self._rows_are_counts = frozenset(shared)
         self._steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
         self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
+        self._nonfinite = None
+        if nonfinite is not None:
+            names, tables = nonfinite
+            self._nonfinite = ({name: next(rest) for name in names}, tables)
         return self
+
+
+@dataclasses.dataclass(frozen=True)
+class NonfiniteEvent:
+    """The first event with a NaN or infinite element (`LogDict.first_nonfinite`).
+
+    - `key`: its key;
+    - `event`: its index among the key's events (those an `interval` skips counted);
+    - `steps`: the step values logged with it (`{"step": 17}`);
+    - `site`: the `eqx_logs.log` call (file:line) that logged it;
+    - `backward`: whether it was logged in the backward pass (`log_grad`, and
+      `instrument(..., grads=True)`'s cotangent statistics);
+    - `lane`: under a `jax.vmap` inside the spool, the first lane (flattened) that had one.
+    """
+
+    key: str
+    event: int
+    steps: dict[str, int]
+    site: str
+    backward: bool
+    lane: int | None = None
+
+    def __str__(self) -> str:
+        steps = ", ".join(f"{n}={v}" for n, v in self.steps.items())
+        where = f" (lane {self.lane})" if self.lane is not None else ""
+        return (
+            f"first non-finite value: key {self.key!r}, event {self.event}"
+            f"{f' ({steps})' if steps else ''}{where}, "
+            f"{'backward' if self.backward else 'forward'} pass, logged at {self.site}"
+        )
 
 
 def _serialize_aux(aux) -> bytes:
@@ -118,9 +192,12 @@ def _serialize_aux(aux) -> bytes:
 
 
 def _deserialize_aux(data: bytes):
-    keys, step_names, reductions, row_keys, shared = json.loads(data.decode())
+    keys, step_names, reductions, row_keys, shared, nonfinite = json.loads(data.decode())
     step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
-    return tuple(keys), step_names, tuple(reductions), tuple(row_keys), tuple(shared)
+    if nonfinite is not None:
+        names, tables = nonfinite
+        nonfinite = (tuple(names), tuple(tuple(t) for t in tables))
+    return tuple(keys), step_names, tuple(reductions), tuple(row_keys), tuple(shared), nonfinite
 
 
 # `jax.export` of a spooled function: its outputs include a LogDict.

@@ -100,6 +100,10 @@ class Policy(eqx.Module):
         Stack holds device 0's events, then device 1's, ...). The key's output then has no
         axis for them. By default each device's result is kept, on its own axis after the
         event axis.
+    - `first_nonfinite`: also find the first event, in execution order, whose value has a
+        NaN or infinite element: `logs.first_nonfinite` names its key, event, steps, call
+        site and pass (forward or backward). Every kept key's events are checked, those an
+        `interval` skips included.
 
     Precedence for a key's reduction: a matching rule, then the reduction named at the
     `log(..., reduce=...)` call site, then `reduce`.
@@ -121,6 +125,7 @@ class Policy(eqx.Module):
     prefix: str = eqx.field(static=True)
     key: PRNGKeyArray | None
     across: tuple[str, ...] = eqx.field(static=True)
+    first_nonfinite: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -133,6 +138,7 @@ class Policy(eqx.Module):
         prefix: str = "",
         key: PRNGKeyArray | None = None,
         across: Any = (),
+        first_nonfinite: bool = False,
     ):
         self.reduce = as_reduction(reduce, where="Policy(reduce)")
         self.interval = interval
@@ -152,12 +158,17 @@ class Policy(eqx.Module):
         self.prefix = prefix
         self.key = key
         self.across = _strings("across", across, optional=False)
+        self.first_nonfinite = first_nonfinite
 
     def __check_init__(self):
         check_count("Policy", "interval", self.interval)
         check_count("Policy", "window", self.window, optional=True)
         if not isinstance(self.prefix, str):
             raise TypeError(f"Policy(prefix={self.prefix!r}): prefix must be a string.")
+        if not isinstance(self.first_nonfinite, bool):
+            raise TypeError(
+                f"Policy(first_nonfinite={self.first_nonfinite!r}): expected True or False."
+            )
         for pattern, _ in self.rules:
             if not isinstance(pattern, str):
                 raise TypeError(f"Policy(rules): patterns must be strings, got {pattern!r}.")
@@ -174,6 +185,7 @@ class Policy(eqx.Module):
             prefix=self.prefix,
             key=self.key,
             across=self.across,
+            first_nonfinite=self.first_nonfinite,
         )
         fields.update({k: v for k, v in changes.items() if v is not None})
         return Policy(**fields)

@@ -12,12 +12,13 @@ flow until a spool or tap interprets it.
 """
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -512,22 +513,35 @@ def bind(
 # ----------------------------------------------------------------------------------------
 
 
+BACKWARD_TAG = "backward"  # on the events logged in the backward pass
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grad_tap(key: str, site: str, x):
+def grad_tap(items_of: Callable[[Any], dict[str, Any]], site: str, x):
+    """Identity on `x`; in the backward pass, logs `items_of(cotangent)` (tagged
+    `BACKWARD_TAG`). `items_of` must be hashable (JAX keys its traces on it)."""
     return x
 
 
-def _grad_tap_fwd(key, site, x):
+def _grad_tap_fwd(items_of, site, x):
     return x, None
 
 
-def _grad_tap_bwd(key, site, _, ct):
+def _grad_tap_bwd(items_of, site, _, ct):
     if _compat.logging_enabled.value:
-        bind({key: ct}, {}, site=site)
+        bind(items_of(ct), {}, tags=(BACKWARD_TAG,), site=site)
     return (ct,)
 
 
-_grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cotangent:
+    key: str
+
+    def __call__(self, ct: Any) -> dict[str, Any]:
+        return {self.key: ct}
 
 
 def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
@@ -559,4 +573,4 @@ def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
     if not _compat.logging_enabled.value:
         return x
     prefix = current_prefix()
-    return _grad_tap(f"{prefix}/{name}" if prefix else name, site, x)
+    return grad_tap(_Cotangent(f"{prefix}/{name}" if prefix else name), site, x)

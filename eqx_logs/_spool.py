@@ -36,6 +36,7 @@ def spool(
     keep: bool = False,
     key: PRNGKeyArray | None = None,
     across: str | tuple[str, ...] | None = None,
+    first_nonfinite: bool | None = None,
 ) -> Callable[..., tuple[_T, LogDict]]:
     """Capture every `eqx_logs.log` event of `fun` and return them with its output.
 
@@ -58,6 +59,8 @@ def spool(
         merge the devices' (lanes') results over, with each reduction's `merge` (see
         `eqx_logs.Policy`). By default a key logged inside a shard_map has one output axis per
         manual mesh axis, after the event axis.
+    - `first_nonfinite`: also report the first event, in execution order, with a NaN or
+        infinite element, as `logs.first_nonfinite` (see `eqx_logs.Policy`).
 
     **Returns:**
 
@@ -91,6 +94,7 @@ def spool(
         prefix=prefix,
         key=key,
         across=across,
+        first_nonfinite=first_nonfinite,
     )
     if fun is None:
         policy = with_options(policy, "eqx_logs.spool", **options)

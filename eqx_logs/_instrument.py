@@ -1,0 +1,187 @@
+"""`instrument`: statistics of every submodule's output (and its cotangent), logged without
+editing the model."""
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+
+from . import _compat
+from ._primitive import _call_site, bind, current_prefix, grad_tap
+from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
+
+_M = TypeVar("_M")
+
+INSTRUMENT_TAG = "instrument"  # on every event `instrument` logs
+
+
+def _is_state_pair(out: Any) -> bool:
+    """`(y, state)`, as a stateful layer (`eqx.nn.BatchNorm`, `eqx.nn.StateIndex` users)
+    returns: the state is not an activation."""
+    return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
+
+
+@dataclasses.dataclass(frozen=True)
+class _CotangentStats:
+    """The backward-pass items of one instrumented module: hashable, as `grad_tap` needs."""
+
+    name: str
+    stats: tuple[str, ...]
+
+    def __call__(self, ct: Any) -> dict[str, Any]:
+        return leaf_statistics(self.name, ct, self.stats)
+
+
+class _Instrumented(eqx.nn.StatefulLayer):
+    """A submodule whose calls log statistics of their output. Its leaves are the module's,
+    and it reads as the module (fields, methods); `eqx.nn.Sequential` calls it as it would
+    call the module."""
+
+    module: Any
+    path: str = eqx.field(static=True)
+    stats: tuple[str, ...] = eqx.field(static=True)
+    grads: bool = eqx.field(static=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.module(*args, **kwargs)
+        if not _compat.logging_enabled.value:
+            return out  # outside a spool or tap: exactly the module's program
+        site = _call_site()
+        prefix = current_prefix()
+        name = f"{prefix}/{self.path}" if prefix else self.path
+        pair = _is_state_pair(out)
+        y = out[0] if pair else out
+        items = leaf_statistics(name, y, self.stats)
+        if items:
+            bind(items, {}, tags=(INSTRUMENT_TAG,), site=site)
+            if self.grads:
+                y = grad_tap(_CotangentStats(f"{name}/grad", self.stats), site, y)
+        return (y, out[1]) if pair else y
+
+    def is_stateful(self) -> bool:
+        return isinstance(self.module, eqx.nn.StatefulLayer) and self.module.is_stateful()
+
+    def __getattr__(self, name: str) -> Any:
+        # fields and methods of the module read through (`mha.query_proj.out_features`)
+        if name == "module":
+            raise AttributeError(name)
+        return getattr(self.module, name)
+
+
+def _matcher(where: Any) -> Callable[[str, Any], bool]:
+    if where is None:
+        return lambda path, module: True
+    if isinstance(where, str):
+        where = (where,)
+    if callable(where):
+        return where
+    if not isinstance(where, Sequence) or not all(isinstance(w, str) for w in where):
+        raise TypeError(
+            "eqx_logs.instrument(where=...) takes a path pattern (a string, `*` matching any "
+            "characters: 'layers[*].attention'), a sequence of them, or a function "
+            f"`(path, module) -> bool`; got {where!r}."
+        )
+    regex = re.compile("|".join(key_pattern(w) for w in where))
+    return lambda path, module: regex.fullmatch(path) is not None
+
+
+def key_pattern(pattern: str) -> str:
+    """A regular expression for a path or key pattern: `*` matches any characters, `?` one,
+    everything else itself (brackets included: paths read `layers[0]`)."""
+    return "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
+
+
+def instrument(
+    model: _M,
+    *,
+    stats: Sequence[str] = DEFAULT_STATS,
+    grads: bool = False,
+    where: str | Sequence[str] | Callable[[str, Any], bool] | None = None,
+) -> _M:
+    """Log statistics of every submodule's output (and of its gradient) without editing the
+    model.
+
+    **Arguments:**
+
+    - `model`: an Equinox model (any pytree holding `eqx.Module`s).
+    - `stats`: the statistics, names from `"mean"`, `"std"`, `"rms"`, `"absmax"`, `"min"`,
+        `"max"`, `"norm"` and `"nonfinite"` (see `eqx_logs.log_stats`).
+    - `grads`: also log, in the backward pass, the statistics of the cotangent of each
+        submodule's output under `"<path>/grad/<stat>"` (tagged `"backward"`).
+    - `where`: which submodules: a path pattern (`*` matches any characters, everything
+        else itself: `"layers[*].attention"`), a sequence of them, or a function
+        `(path, module) -> bool`. By default every submodule that is called (has
+        `__call__`).
+
+    **Returns:**
+
+    A model with the same arrays as leaves in which each selected submodule (not the model
+    itself) logs the statistics of its output under `"<path>/<stat>"`, `<path>` its place in
+    the tree as `jax.tree_util.keystr` writes it, without the leading dot (`"layers[0]"`,
+    `"layers[1].attention"`); a module returning a pytree logs each array leaf under
+    `"<path>/<leaf path>/<stat>"`, and a stateful layer's `(y, state)` logs `y`. Events are
+    tagged `"instrument"`. The statistics are reduced on device: no activation is kept.
+
+    Each submodule is wrapped, so the result is a different pytree structure with the same
+    leaves: `eqx.filter_jit`, `eqx.filter_grad` and optax work on it as on the model (make
+    the optimiser state from the instrumented model), and its submodules' fields read
+    through (`model.layers[0].weight`). Outside a `spool` or `tap` it compiles to exactly the
+    program of the original. Under `jax.vmap` each lane (example) has its own statistics,
+    as every logged value does; a layer stacked with `eqx.filter_vmap` and applied in
+    `lax.scan` logs one event per layer.
+
+    !!! example
+
+        ```python
+        mlp = eqx_logs.instrument(eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0)), grads=True)
+        grads, logs = eqx_logs.spool(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(mlp, x)
+        logs["layers[1]/rms"], logs["layers[1]/grad/norm"]
+        ```
+    """
+    stats = check_stats(stats, "eqx_logs.instrument")
+    if not isinstance(grads, bool):
+        raise TypeError(f"eqx_logs.instrument(grads=...) takes a bool, got {grads!r}.")
+    selected = _matcher(where)
+    found = []
+
+    def wrap(path: str, module: Any) -> Any:
+        if not selected(path, module):
+            return module
+        found.append(path)
+        return _Instrumented(module, path, stats, grads)
+
+    root = model.module if isinstance(model, _Instrumented) else model
+    instrumented = _map_submodules(wrap, root)
+    if where is not None and not found:
+        every = []
+        _map_submodules(lambda path, m: every.append(path) or m, root)
+        raise ValueError(
+            f"eqx_logs.instrument(where={where!r}) selects no submodule of "
+            f"{type(root).__name__}; its submodules are {every or 'none'}."
+        )
+    return instrumented
+
+
+def _map_submodules(fun: Callable[[str, Any], Any], model: Any) -> Any:
+    """`model` with each callable submodule `m` at path `p` (innermost first, the model
+    itself not) replaced by `fun(p, m)`; instrumented submodules are unwrapped first."""
+
+    def children(node: Any, path: tuple) -> Any:
+        def visit(p: tuple, x: Any) -> Any:
+            if not isinstance(x, eqx.Module):
+                return x
+            if isinstance(x, _Instrumented):
+                x = x.module
+            full = path + tuple(p)
+            x = children(x, full)
+            return fun(path_name(full), x) if callable(x) else x
+
+        def is_module(x: Any) -> bool:
+            return x is not node and isinstance(x, eqx.Module)
+
+        return jtu.tree_map_with_path(visit, node, is_leaf=is_module)
+
+    return children(model, ())

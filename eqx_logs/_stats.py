@@ -1,0 +1,168 @@
+"""Statistics of arrays, reduced on device: `log_stats`, and what `instrument` logs."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import equinox as eqx
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, ArrayLike, Float, Int, PyTree
+
+from . import _compat
+from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
+
+
+def _float(x: Array) -> Array:
+    # statistics in at least float32: a bfloat16 activation's mean of squares overflows
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return x.astype(jnp.float32)
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+
+
+def _mean(x: Array) -> Float[Array, ""]:
+    return jnp.mean(_float(x))
+
+
+def _std(x: Array) -> Float[Array, ""]:
+    return jnp.std(_float(x))  # two passes: no cancellation where the mean dwarfs the spread
+
+
+def _rms(x: Array) -> Float[Array, ""]:
+    x = _float(x)
+    return jnp.sqrt(jnp.mean(x * x))
+
+
+def _norm(x: Array) -> Float[Array, ""]:
+    x = _float(x)
+    return jnp.sqrt(jnp.sum(x * x))
+
+
+def _absmax(x: Array) -> Float[Array, ""]:
+    return jnp.max(jnp.abs(_float(x)))
+
+
+def _min(x: Array) -> Float[Array, ""]:
+    return jnp.min(_float(x))
+
+
+def _max(x: Array) -> Float[Array, ""]:
+    return jnp.max(_float(x))
+
+
+def _nonfinite(x: Array) -> Int[Array, ""]:
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros((), jnp.int32)
+    return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
+
+
+# name -> statistic of one array (a scalar); `nonfinite` counts the NaN and infinite elements
+STATS: dict[str, Callable[[Array], Array]] = {
+    "mean": _mean,
+    "std": _std,
+    "rms": _rms,
+    "absmax": _absmax,
+    "min": _min,
+    "max": _max,
+    "norm": _norm,
+    "nonfinite": _nonfinite,
+}
+
+DEFAULT_STATS = ("mean", "std", "rms", "absmax", "nonfinite")
+
+
+def check_stats(stats: Any, where: str) -> tuple[str, ...]:
+    """`stats` as a tuple of known statistic names; `where` names the caller in errors."""
+    if isinstance(stats, str):
+        stats = (stats,)
+    if not isinstance(stats, Sequence) or not stats:
+        raise TypeError(
+            f"{where}: stats must be a non-empty tuple of statistic names from {tuple(STATS)}, "
+            f"got {stats!r}."
+        )
+    unknown = [s for s in stats if s not in STATS]
+    if unknown:
+        raise ValueError(f"{where}: unknown statistic(s) {unknown!r}; choose from {tuple(STATS)}.")
+    return tuple(dict.fromkeys(stats))
+
+
+def path_name(path: Sequence[Any]) -> str:
+    """A pytree path as `jax.tree_util.keystr` writes it, without the leading dot:
+    `layers[0].weight`, `['w']`."""
+    return jtu.keystr(tuple(path)).removeprefix(".")
+
+
+def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
+    """`{name: statistic of x}` for every name in `stats`."""
+    x = jnp.asarray(x)
+    return {name: STATS[name](x) for name in stats}
+
+
+def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...]) -> dict[str, Array]:
+    """`{"<name>/<leaf path>/<stat>": value}` for every array leaf of `tree` (a lone array:
+    `"<name>/<stat>"`). Leaves that are not arrays (None, functions, Python scalars an
+    Equinox module keeps static) are not statistics of anything and are skipped."""
+    items = {}
+    for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
+        if not eqx.is_array(leaf):
+            continue
+        where = "/".join(filter(None, (name, path_name(path))))
+        for stat, value in statistics(leaf, stats).items():
+            items[f"{where}/{stat}" if where else stat] = value
+    return items
+
+
+def log_stats(
+    name: str,
+    tree: PyTree[ArrayLike],
+    *,
+    stats: Sequence[str] = DEFAULT_STATS,
+    tags: str | tuple[str, ...] = (),
+    **steps: int | ArrayLike,
+) -> None:
+    """Log statistics of every array leaf of a pytree, each under a key of its own.
+
+    The statistics are computed where the values are, on device; only the scalars are logged.
+
+    **Arguments:**
+
+    - `name`: the prefix of the keys (scopes apply, as for `log`).
+    - `tree`: a pytree (gradients, updates, a model, a dict of activations). Leaves that are
+        not arrays (None, functions) are skipped.
+    - `stats`: names from `"mean"`, `"std"`, `"rms"`, `"absmax"`, `"min"`, `"max"`,
+        `"norm"` and `"nonfinite"` (the number of NaN and infinite elements). Statistics are
+        computed in at least float32.
+    - `tags`, `**steps`: as for `eqx_logs.log`.
+
+    **Returns:**
+
+    None. Each statistic is logged under `"<name>/<leaf path>/<stat>"`, the path as
+    `jax.tree_util.keystr` writes it without the leading dot (`"grad/layers[0].weight/norm"`);
+    a lone array under `"<name>/<stat>"`. Outside any `spool` or `tap` nothing is computed.
+
+    !!! example
+
+        ```python
+        def step(model, x, y):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+            eqx_logs.log_stats("grad", grads, stats=("norm",))  # one key per weight
+            return loss
+        ```
+    """
+    site = _call_site()
+    if not isinstance(name, str):
+        raise TypeError(f"eqx_logs.log_stats at {site} needs a string name, got {name!r}.")
+    stats = check_stats(stats, f"eqx_logs.log_stats at {site}")
+    if not _compat.logging_enabled.value:
+        return None  # nothing computed: the program is the one without the call
+    tags = _normalise_tags(tags, site)
+    step_vals = {n: _check_step(n, s, site) for n, s in steps.items()}
+    items = leaf_statistics(name, tree, stats)
+    if not items:
+        raise ValueError(
+            f"eqx_logs.log_stats({name!r}) at {site}: the tree has no array leaves, so there "
+            "is nothing to take statistics of."
+        )
+    prefix = current_prefix()
+    if prefix:
+        items = {f"{prefix}/{k}": v for k, v in items.items()}
+    bind(items, step_vals, tags=tags, site=site)
