@@ -9,6 +9,7 @@ from ._buffers import (
 )
 from ._instrument import instrument as instrument
 from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
+from ._plant import plant as plant, sow as sow
 from ._policy import Policy as Policy
 from ._primitive import (
     LostEventsWarning as LostEventsWarning,

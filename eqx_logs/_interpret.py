@@ -31,7 +31,7 @@ from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
 from ._policy import Policy
-from ._primitive import BACKWARD_TAG, is_log, log_effect, rebind
+from ._primitive import BACKWARD_TAG, is_log, is_sow, log_effect, rebind
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
@@ -602,6 +602,8 @@ class Interpreter:
             if is_log(eqn):
                 self._event(eqn, invals, states)
                 outs = []
+            elif is_sow(eqn):
+                outs = self.sown(eqn, invals, states)
             elif self.eqn_has_log(eqn) or (
                 self.wraps_custom_rules and eqn.primitive.name in _compat.CUSTOM_CALLS
             ):
@@ -615,13 +617,18 @@ class Interpreter:
                     env[v] = x
         return [read(v) for v in jaxpr.outvars], self.settle(states) if settle else states
 
+    def sown(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> Any:
+        """The outputs of an `eqx_logs.sow` (its value, which `plant` replaces)."""
+        del states
+        return _compat.bind_eqn(eqn, invals)
+
     def _log_only(self, jaxpr: Any) -> tuple[Producers, set[int]]:
         """The equations of `jaxpr` that only logs use (`_deferred.py`), cached."""
         hit = self._log_only_cache.get(id(jaxpr))
         if hit is None:
 
             def keeps(eqn):
-                return self.eqn_has_log(eqn) or _lanes.is_lane_primitive(eqn)
+                return self.eqn_has_log(eqn) or _lanes.is_lane_primitive(eqn) or is_sow(eqn)
 
             producers = log_only(jaxpr, is_log, keeps)
             deferred = {id(eqn) for _, eqn in producers.values()}

@@ -574,3 +574,36 @@ def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
         return x
     prefix = current_prefix()
     return grad_tap(_Cotangent(f"{prefix}/{name}" if prefix else name), site, x)
+
+
+# ----------------------------------------------------------------------------------------
+# sow: a logged value that `plant` may replace
+# ----------------------------------------------------------------------------------------
+
+# Identity on its operands (the leaves of one sown value), `nbatch` leading batch axes; the
+# value it returns is logged after it, so that a spool records what the program goes on with.
+sow_p = _compat.Primitive("eqx_logs.sow")
+sow_p.multiple_results = True
+sow_p.def_impl(lambda *xs, key, nbatch: list(xs))
+sow_p.def_abstract_eval(lambda *avals, key, nbatch: list(avals))
+
+
+def _sow_jvp(primals, tangents, *, key, nbatch):
+    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates a planted
+    # value as the constant it is, since plant replaces the primitive before JAX sees it
+    return sow_p.bind(*primals, key=key, nbatch=nbatch), list(tangents)
+
+
+def _sow_batch(axis_data, args, dims, *, key, nbatch):
+    size = _compat.axis_size_and_name(axis_data)[0]
+    moved = [_leading(x, d, size) for x, d in zip(args, dims)]
+    return sow_p.bind(*moved, key=key, nbatch=nbatch + 1), [0] * len(args)
+
+
+_compat.def_jvp(sow_p, _sow_jvp)
+_compat.def_batching_with_axis(sow_p, _sow_batch)
+_compat.def_lowering(sow_p, lambda *xs, key, nbatch: list(xs))
+
+
+def is_sow(eqn: _compat.JaxprEqn) -> bool:
+    return eqn.primitive is sow_p
