@@ -2,6 +2,7 @@
 editing the model."""
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -35,18 +36,17 @@ class _CotangentStats:
         return leaf_statistics(self.name, ct, self.stats)
 
 
-class _Instrumented(eqx.nn.StatefulLayer):
-    """A submodule whose calls log statistics of their output. Its leaves are the module's,
-    and it reads as the module (fields, methods); `eqx.nn.Sequential` calls it as it would
-    call the module."""
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """What one instrumented submodule logs (a static field of it)."""
 
-    module: Any
-    path: str = eqx.field(static=True)
-    stats: tuple[str, ...] = eqx.field(static=True)
-    grads: bool = eqx.field(static=True)
+    path: str
+    stats: tuple[str, ...]
+    grads: bool
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        out = self.module(*args, **kwargs)
+    def log(self, out: Any) -> Any:
+        """Log the statistics of a call's output `out`; returns `out` (with, if `grads`, the
+        backward-pass statistics attached to it)."""
         if not _compat.logging_enabled.value:
             return out  # outside a spool or tap: exactly the module's program
         site = _call_site()
@@ -61,14 +61,54 @@ class _Instrumented(eqx.nn.StatefulLayer):
                 y = grad_tap(_CotangentStats(f"{name}/grad", self.stats), site, y)
         return (y, out[1]) if pair else y
 
-    def is_stateful(self) -> bool:
-        return isinstance(self.module, eqx.nn.StatefulLayer) and self.module.is_stateful()
 
-    def __getattr__(self, name: str) -> Any:
-        # fields and methods of the module read through (`mha.query_proj.out_features`)
-        if name == "module":
-            raise AttributeError(name)
-        return getattr(self.module, name)
+_FIELD = "_eqx_logs_instrument"  # the static field an instrumented submodule's class adds
+
+
+@functools.cache
+def _instrumented_class(cls: type) -> type:
+    """A subclass of the module class `cls` whose `__call__` logs statistics of its output:
+    instances keep their class's fields, methods and `isinstance`, and their leaves' paths."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, _FIELD).log(cls.__call__(self, *args, **kwargs))
+
+    namespace = {
+        "__annotations__": {_FIELD: _Options},
+        _FIELD: eqx.field(static=True, default=None),
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    try:
+        return type(cls.__name__, (cls,), namespace)
+    except Exception as e:
+        raise TypeError(
+            f"eqx_logs.instrument cannot instrument {cls.__qualname__}: its class cannot be "
+            f"subclassed ({e}). Leave it out with `where=`."
+        ) from e
+
+
+def _rebuild(cls: type, module: Any, **extra: Any) -> Any:
+    """`module`'s fields in an instance of `cls` (a subclass or the base of its class),
+    without running `__init__`: the arrays are the same objects."""
+    out = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        value = extra[f.name] if f.name in extra else getattr(module, f.name)
+        object.__setattr__(out, f.name, value)
+    return out
+
+
+def _instrumented(module: Any, options: _Options) -> Any:
+    return _rebuild(_instrumented_class(type(module)), module, **{_FIELD: options})
+
+
+def _plain(module: Any) -> Any:
+    """An instrumented submodule as it was."""
+    if getattr(module, _FIELD, None) is None:
+        return module
+    return _rebuild(type(module).__mro__[1], module)
 
 
 def _matcher(where: Any) -> Callable[[str, Any], bool]:
@@ -125,10 +165,11 @@ def instrument(
     `"<path>/<leaf path>/<stat>"`, and a stateful layer's `(y, state)` logs `y`. Events are
     tagged `"instrument"`. The statistics are reduced on device: no activation is kept.
 
-    Each submodule is wrapped, so the result is a different pytree structure with the same
-    leaves: `eqx.filter_jit`, `eqx.filter_grad` and optax work on it as on the model (make
-    the optimiser state from the instrumented model), and its submodules' fields read
-    through (`model.layers[0].weight`). Outside a `spool` or `tap` it compiles to exactly the
+    Each selected submodule becomes an instance of a subclass of its class, with the same
+    fields (the same arrays, at the same paths), methods and `isinstance`, and one more
+    static field that says what to log. `eqx.filter_jit`, `eqx.filter_grad` and optax work on
+    it as on the model; its tree structure differs in those classes, so make the optimiser
+    state from the instrumented model. Outside a `spool` or `tap` it compiles to exactly the
     program of the original. Under `jax.vmap` each lane (example) has its own statistics,
     as every logged value does; a layer stacked with `eqx.filter_vmap` and applied in
     `lax.scan` logs one event per layer.
@@ -151,9 +192,9 @@ def instrument(
         if not selected(path, module):
             return module
         found.append(path)
-        return _Instrumented(module, path, stats, grads)
+        return _instrumented(module, _Options(path, stats, grads))
 
-    root = model.module if isinstance(model, _Instrumented) else model
+    root = _plain(model)
     instrumented = _map_submodules(wrap, root)
     if where is not None and not found:
         every = []
@@ -173,8 +214,7 @@ def _map_submodules(fun: Callable[[str, Any], Any], model: Any) -> Any:
         def visit(p: tuple, x: Any) -> Any:
             if not isinstance(x, eqx.Module):
                 return x
-            if isinstance(x, _Instrumented):
-                x = x.module
+            x = _plain(x)
             full = path + tuple(p)
             x = children(x, full)
             return fun(path_name(full), x) if callable(x) else x

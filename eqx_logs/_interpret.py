@@ -338,6 +338,7 @@ class Interpreter:
         self._vary: tuple[str, ...] = ()  # those of them whose values' variation JAX checks
         self._mesh_object: Any = None  # the mesh of the shard_map being counted
         self._first: _FirstNonfinite | None = None  # `Policy.first_nonfinite`, while running
+        self._depth = 0  # loops around the equation being evaluated (`loop`)
 
     @contextlib.contextmanager
     def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False, mesh=None):
@@ -616,6 +617,22 @@ class Interpreter:
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars], self.settle(states) if settle else states
+
+    @contextlib.contextmanager
+    def loop(self):
+        """Evaluate the body of a loop (`lax.scan`, `lax.while_loop`) one level deeper; its
+        rule calls `entering_loop` before it and `iteration` as each iteration begins."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+
+    def entering_loop(self, states: dict[str, Any]) -> dict[str, Any]:
+        return states if self._first is None else self._first.enter(self._depth, states)
+
+    def iteration(self, states: dict[str, Any]) -> dict[str, Any]:
+        return states if self._first is None else self._first.advance(self._depth - 1, states)
 
     def sown(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> Any:
         """The outputs of an `eqx_logs.sow` (its value, which `plant` replaces)."""
@@ -1099,6 +1116,7 @@ _FRESH = object()
 
 # The state of `Policy.first_nonfinite`, threaded with the keys' states (`Interpreter.keys`).
 _FIRST = "\x00first_nonfinite"
+MAX_LOOPS = 8  # nested loops whose iteration it records
 
 
 class _FirstNonfinite:
@@ -1122,9 +1140,24 @@ class _FirstNonfinite:
 
     def init(self) -> dict[str, Any]:
         record = {"found": np.bool_(False), "backward": np.bool_(False)}
-        record.update({n: np.int32(-1) for n in ("key", "site", "event", "lane")})
+        record.update({n: np.int32(-1) for n in ("key", "site", "event", "lane", "depth")})
         record.update({f"step:{n}": np.int32(-1) for n in self.steps})
-        return {"value": record}
+        record["iterations"] = np.full(MAX_LOOPS, -1, np.int32)
+        # the iteration each enclosing loop is in now (not a field of the record)
+        return {"value": record, "loops": np.full(MAX_LOOPS, -1, np.int32)}
+
+    def enter(self, depth: int, states: dict[str, Any]) -> dict[str, Any]:
+        if depth >= MAX_LOOPS or _FIRST not in states:
+            return states
+        state = states[_FIRST]
+        return {**states, _FIRST: {**state, "loops": jnp.asarray(state["loops"]).at[depth].set(-1)}}
+
+    def advance(self, depth: int, states: dict[str, Any]) -> dict[str, Any]:
+        if depth >= MAX_LOOPS or _FIRST not in states:
+            return states
+        state = states[_FIRST]
+        loops = jnp.asarray(state["loops"]).at[depth].add(1)
+        return {**states, _FIRST: {**state, "loops": loops}}
 
     def check(self, interp, key, leaves, steps, mask, params, states) -> None:
         """Fold one event of `key` (its value's `leaves`, batched over `params["nbatch"]`
@@ -1153,6 +1186,8 @@ class _FirstNonfinite:
             "event": event,
             "lane": lane if batch else -1,
             "backward": BACKWARD_TAG in params["tags"],
+            "depth": min(interp._depth, MAX_LOOPS),
+            "iterations": states[_FIRST]["loops"],
         }
         for name in self.steps:
             if name not in steps:
@@ -1163,7 +1198,8 @@ class _FirstNonfinite:
         hit = bad[lane]
         new = jnp.logical_and(hit, jnp.logical_not(old["found"]))
         out = {n: jnp.where(new, jnp.asarray(v, old[n].dtype), old[n]) for n, v in record.items()}
-        states[_FIRST] = {"value": {**old, **out, "found": jnp.logical_or(old["found"], hit)}}
+        found = jnp.logical_or(old["found"], hit)
+        states[_FIRST] = {**states[_FIRST], "value": {**old, **out, "found": found}}
 
     def finish(self, state: dict[str, Any]) -> dict[str, Any]:
         return {n: jnp.asarray(x) for n, x in state.items()}

@@ -71,8 +71,8 @@ class LogDict(dict):
         whose value had a NaN or infinite element, as an `NonfiniteEvent` (its key, event
         index, steps, call site and pass); None if every value was finite. Read it outside
         `jax.jit` (return the LogDict from the jitted function)."""
-        if self._nonfinite is None:
-            raise AttributeError(
+        if self._nonfinite is None:  # (not AttributeError: that would try the step names)
+            raise ValueError(
                 "LogDict.first_nonfinite: this spool did not look for non-finite values; pass "
                 "`first_nonfinite=True` to `eqx_logs.spool` (or to the Policy)."
             )
@@ -92,6 +92,7 @@ class LogDict(dict):
             steps={n: v for n, v in steps.items() if v != -1},
             site=sites[site] if site >= 0 else "a custom derivative rule",
             backward=bool(arrays["backward"]),
+            iterations=tuple(int(i) for i in arrays["iterations"][: int(arrays["depth"])]),
             lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
         )
 
@@ -167,6 +168,9 @@ class NonfiniteEvent:
     - `site`: the `eqx_logs.log` call (file:line) that logged it;
     - `backward`: whether it was logged in the backward pass (`log_grad`, and
       `instrument(..., grads=True)`'s cotangent statistics);
+    - `iterations`: the iteration each loop (`lax.scan`, `lax.while_loop`, `fori_loop`)
+      around it inside the spool was in, outermost first, counted in execution order (a
+      reversed scan's first iteration is 0): in a scan over training steps, the step;
     - `lane`: under a `jax.vmap` inside the spool, the first lane (flattened) that had one.
     """
 
@@ -175,14 +179,18 @@ class NonfiniteEvent:
     steps: dict[str, int]
     site: str
     backward: bool
+    iterations: tuple[int, ...] = ()
     lane: int | None = None
 
     def __str__(self) -> str:
-        steps = ", ".join(f"{n}={v}" for n, v in self.steps.items())
-        where = f" (lane {self.lane})" if self.lane is not None else ""
+        where = [f"event {self.event} of key {self.key!r}"]
+        where += [f"{n}={v}" for n, v in self.steps.items()]
+        if self.iterations:
+            where.append(f"loop iteration {', '.join(map(str, self.iterations))}")
+        if self.lane is not None:
+            where.append(f"vmap lane {self.lane}")
         return (
-            f"first non-finite value: key {self.key!r}, event {self.event}"
-            f"{f' ({steps})' if steps else ''}{where}, "
+            f"first non-finite value: {', '.join(where)}; in the "
             f"{'backward' if self.backward else 'forward'} pass, logged at {self.site}"
         )
 

@@ -317,7 +317,7 @@ def _scan_apply(interp, eqn, invals, states):
         values, lanes, sub = carry
         live = interp.in_step(values, lanes)  # see _while_apply
         interp.with_lanes(values, lanes)
-        sub = {**sub, **{k: interp.stream_state(k) for k in streamed}}
+        sub = {**interp.iteration(sub), **{k: interp.stream_state(k) for k in streamed}}
         with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
             outs, sub = interp.eval(body, [*consts, *values, *x], sub, settle=False)
         events = {k: interp.stream_events(k, sub.pop(k)) for k in streamed}
@@ -329,10 +329,12 @@ def _scan_apply(interp, eqn, invals, states):
             events,
         )
 
+    states = interp.entering_loop(states)
     carry = (init, interp.carried(init, init_lanes), interp.settle(states, carried))
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
-    (values, lanes, sub), (ys, events) = lax.scan(step, carry, xs, **options)
+    with interp.loop():
+        (values, lanes, sub), (ys, events) = lax.scan(step, carry, xs, **options)
     interp.with_lanes(values, lanes)
     states = {**states, **sub}
     for k, block in events.items():
@@ -365,10 +367,17 @@ def _while_apply(interp, eqn, invals, states):
 
     def advance(values, lanes, sub):
         interp.with_lanes(values, lanes)
-        values, sub = interp.eval(body, [*body_consts, *values], sub)
+        values, sub = interp.eval(body, [*body_consts, *values], interp.iteration(sub))
         return values, interp.lanes_like(values, lanes), sub
 
-    sub = interp.settle(states, keys)
+    sub = interp.settle(interp.entering_loop(states), keys)
+    with interp.loop():
+        return _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance)
+
+
+def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
+    """The loop of `_while_apply`, built inside `interp.loop()`."""
+    cond = _compat.while_parts(eqn)[0]
     guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
     if not interp.has_log(cond) and not guarded:
         values, _, sub = lax.while_loop(

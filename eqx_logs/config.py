@@ -35,6 +35,7 @@ class PolicyConfig:
     prefix: str = ""
     seed: int | None = None
     across: list[str] = field(default_factory=list)
+    first_nonfinite: bool = False
     config_key: str = "logging"
 
 
@@ -112,6 +113,7 @@ def policy(
     prefix: str = "",
     seed: int | None = None,
     across: Any = (),
+    first_nonfinite: bool = False,
     config_key: str = "logging",
 ) -> Policy:
     """An `eqx_logs.Policy` from config values (OmegaConf lists become tuples). A bad value
@@ -164,6 +166,7 @@ def policy(
         prefix=prefix,
         key=key,
         across=tuple(across or ()),
+        first_nonfinite=first_nonfinite,
     )
 
 

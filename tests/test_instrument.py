@@ -1,0 +1,592 @@
+"""instrument, log_stats, first_nonfinite: against numpy on values threaded out by hand, and
+cotangents from `jax.vjp` by hand."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import assert_close
+from jax import lax
+
+import eqx_logs
+
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
+ALL = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
+
+
+def np_stats(x, stats=ALL) -> dict[str, np.ndarray]:
+    """The statistics, in numpy (float64), of one array."""
+    x = np.asarray(x, np.float64)
+    out = {
+        "mean": x.mean(),
+        "std": x.std(),
+        "rms": np.sqrt(np.mean(x**2)),
+        "absmax": np.abs(x).max(),
+        "min": x.min(),
+        "max": x.max(),
+        "norm": np.sqrt(np.sum(x**2)),
+        "nonfinite": np.sum(~np.isfinite(x)),
+    }
+    return {k: out[k] for k in stats}
+
+
+def mlp(key=0, depth=2):
+    return eqx.nn.MLP(3, 2, 8, depth, activation=jnp.tanh, key=jax.random.key(key))
+
+
+def hand_activations(model: eqx.nn.MLP, x):
+    """Each layer's output of an eqx.nn.MLP (one example), threaded out by hand."""
+    outs = []
+    for layer in model.layers[:-1]:
+        x = layer(x)
+        outs.append(x)
+        x = model.activation(x)
+    outs.append(model.layers[-1](x))
+    return outs
+
+
+# -- log_stats --------------------------------------------------------------------------
+
+
+def test_log_stats_against_numpy():
+    tree = {
+        "w": jax.random.normal(jax.random.key(0), (3, 4)) * 3 + 1,
+        "b": jnp.array([1.0, jnp.nan, -jnp.inf, 2.0]),
+        "i": jnp.arange(5),
+        "none": None,
+        "fn": jnp.tanh,
+    }
+
+    def f(tree):
+        eqx_logs.log_stats("grad", tree, stats=ALL)
+        return 0
+
+    _, logs = eqx_logs.spool(f)(tree)
+    want_keys = {f"grad/['{k}']/{s}" for k in ("w", "b", "i") for s in ALL}
+    assert set(logs) == want_keys
+    for name in ("w", "i"):
+        for stat, want in np_stats(tree[name]).items():
+            np.testing.assert_allclose(logs[f"grad/['{name}']/{stat}"][0], want, rtol=1e-5)
+    assert int(logs["grad/['b']/nonfinite"][0]) == 2
+    assert np.isnan(logs["grad/['b']/mean"][0])
+
+
+def test_log_stats_of_a_model_and_a_lone_array_and_scope():
+    model = mlp()
+
+    def f(model, x):
+        with eqx_logs.scope("s"):
+            eqx_logs.log_stats("params", model, stats=("norm",), step=3)
+        eqx_logs.log_stats("x", x, stats=("max",))
+        return x
+
+    _, logs = eqx.filter_jit(eqx_logs.spool(f))(model, jnp.arange(3.0))
+    assert_close(logs["x/max"], [2.0])
+    for i, layer in enumerate(model.layers):
+        got = logs[f"s/params/layers[{i}].weight/norm"]
+        assert_close(got, [np.linalg.norm(np.asarray(layer.weight))])
+        assert int(logs.step[f"s/params/layers[{i}].bias/norm"][0]) == 3
+
+
+def test_log_stats_errors_and_nothing_outside_a_spool():
+    with pytest.raises(ValueError, match=r"unknown statistic\(s\) \['median'\].*choose from"):
+        eqx_logs.log_stats("g", jnp.ones(2), stats=("mean", "median"))
+    with pytest.raises(ValueError, match="no array leaves"):
+        eqx_logs.spool(lambda: eqx_logs.log_stats("g", {"a": None}))()
+
+    def f(x):
+        eqx_logs.log_stats("x", x)
+        return x * 2
+
+    assert len(jax.make_jaxpr(f)(jnp.ones(3)).eqns) == 1  # no statistic computed
+
+
+# -- instrument: values --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_instrument_mlp_forward_stats_match_hand(jit):
+    model = mlp()
+    im = eqx_logs.instrument(model, stats=ALL)
+    xs = jax.random.normal(jax.random.key(1), (5, 3))
+
+    def f(m, xs):
+        return jax.vmap(m)(xs)
+
+    run = eqx_logs.spool(f)
+    out, logs = (eqx.filter_jit(run) if jit else run)(im, xs)
+    assert_close(out, jax.vmap(model)(xs))
+    per_example = [hand_activations(model, x) for x in xs]
+    for i in range(len(model.layers)):
+        for stat in ALL:
+            got = logs[f"layers[{i}]/{stat}"]
+            want = [np_stats(acts[i])[stat] for acts in per_example]
+            assert got.shape == (1, 5)  # one event, a lane per example (vmap inside)
+            np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=1e-6, err_msg=stat)
+    assert all(k.startswith("layers[") for k in logs)  # the model itself is not logged
+
+
+def test_instrument_cotangent_stats_match_vjp_by_hand():
+    model = mlp(depth=3)
+    im = eqx_logs.instrument(model, stats=("mean", "rms", "absmax", "norm"), grads=True)
+    x = jax.random.normal(jax.random.key(2), (3,))
+
+    def loss(m, x):
+        return jnp.sum(jnp.sin(m(x)) ** 2)
+
+    grads, logs = eqx_logs.spool(eqx.filter_grad(loss))(im, x)
+
+    # by hand: each layer's output gets an additive perturbation; its cotangent is the
+    # gradient with respect to it at zero
+    def perturbed(eps):
+        h = x
+        for i, layer in enumerate(model.layers):
+            h = layer(h) + eps[i]
+            if i < len(model.layers) - 1:
+                h = model.activation(h)
+        return jnp.sum(jnp.sin(h) ** 2)
+
+    eps = [jnp.zeros(layer.out_features) for layer in model.layers]
+    _, vjp = jax.vjp(perturbed, eps)
+    (cts,) = vjp(jnp.ones(()))
+    for i, ct in enumerate(cts):
+        for stat, want in np_stats(ct, ("mean", "rms", "absmax", "norm")).items():
+            got = logs[f"layers[{i}]/grad/{stat}"]
+            np.testing.assert_allclose(got, [want], rtol=2e-5, atol=1e-7, err_msg=f"{i} {stat}")
+    # the gradients are those of the plain model
+    want = eqx.filter_grad(loss)(model, x)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+        assert_close(g, w)
+
+
+def test_instrument_outside_a_spool_is_the_original_program():
+    model = mlp()
+    im = eqx_logs.instrument(model, grads=True)
+    x = jnp.ones((4, 3))
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(m)(x))
+
+    def text(m):
+        return eqx.filter_jit(eqx.filter_value_and_grad(loss)).lower(m, x).as_text()
+
+    assert text(im) == text(model)
+    # the same arrays at the same paths, the same classes
+    paths = jax.tree_util.tree_flatten_with_path
+    assert [(p, id(x)) for p, x in paths(im)[0]] == [(p, id(x)) for p, x in paths(model)[0]]
+    assert all(isinstance(a, type(b)) for a, b in zip(im.layers, model.layers))
+
+
+def test_instrument_reads_through_and_where():
+    model = mlp(depth=3)
+    im = eqx_logs.instrument(model, where="layers[1]")
+    assert im.layers[1].weight is model.layers[1].weight
+    assert im.layers[1].out_features == 8
+    _, logs = eqx_logs.spool(im)(jnp.ones(3))
+    assert sorted({k.split("/")[0] for k in logs}) == ["layers[1]"]
+
+    im = eqx_logs.instrument(model, where=("layers[0]", "layers[3]"), stats=("max",))
+    _, logs = eqx_logs.spool(im)(jnp.ones(3))
+    assert sorted(logs) == ["layers[0]/max", "layers[3]/max"]
+
+    im = eqx_logs.instrument(model, where=lambda path, m: m.out_features == 2, stats=("max",))
+    _, logs = eqx_logs.spool(im)(jnp.ones(3))
+    assert sorted(logs) == ["layers[3]/max"]
+
+    # instrumenting again replaces the options
+    im2 = eqx_logs.instrument(im, stats=("min",), where="layers[*]")
+    _, logs = eqx_logs.spool(im2)(jnp.ones(3))
+    assert sorted(logs) == [f"layers[{i}]/min" for i in range(4)]
+
+    with pytest.raises(ValueError, match=r"selects no submodule of MLP; its submodules are"):
+        eqx_logs.instrument(model, where="encoder*")
+    with pytest.raises(ValueError, match="unknown statistic"):
+        eqx_logs.instrument(model, stats=("avg",))
+
+
+class Block(eqx.Module):
+    attention: eqx.nn.MultiheadAttention
+    norm: eqx.nn.LayerNorm
+    conv: eqx.nn.Conv1d
+    seq: eqx.nn.Sequential
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        self.attention = eqx.nn.MultiheadAttention(2, 8, key=k1)
+        self.norm = eqx.nn.LayerNorm(8)
+        self.conv = eqx.nn.Conv1d(8, 8, 3, padding=1, key=k2)
+        self.seq = eqx.nn.Sequential(
+            [
+                eqx.nn.Linear(8, 8, key=k3),
+                eqx.nn.Lambda(jax.nn.relu),
+                eqx.nn.Dropout(0.5, inference=True),
+            ]
+        )
+
+    def __call__(self, x):  # x: (seq, 8)
+        h = jax.vmap(self.norm)(x + self.attention(x, x, x))
+        h = h + self.conv(h.T).T
+        return jax.vmap(lambda v: self.seq(v, key=None))(h)
+
+
+def test_instrument_equinox_layers_match_hand():
+    block = Block(jax.random.key(0))
+    ib = eqx_logs.instrument(block, stats=("mean", "norm"))
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    out, logs = eqx_logs.spool(ib)(x)
+    assert_close(out, block(x))
+    # by hand
+    attn = block.attention(x, x, x)
+    normed = jax.vmap(block.norm)(x + attn)
+    conv = block.conv(normed.T)
+    h = normed + conv.T
+    lin = jax.vmap(block.seq.layers[0])(h)
+    relu = jax.nn.relu(lin)
+    q = jax.vmap(block.attention.query_proj)(x)  # a submodule of a submodule, under vmap
+    expected = {
+        "attention": (attn, None),
+        "norm": (normed, 4),  # vmapped: a lane per position
+        "conv": (conv, None),
+        "seq": (relu, 4),
+        "seq.layers[0]": (lin, 4),
+        "seq.layers[1]": (relu, 4),
+        "seq.layers[2]": (relu, 4),
+        "attention.query_proj": (q, 4),
+    }
+    for path, (value, lanes) in expected.items():
+        for stat in ("mean", "norm"):
+            got = np.asarray(logs[f"{path}/{stat}"])
+            if lanes is None:
+                want = [np_stats(value, (stat,))[stat]]
+            else:
+                want = [[np_stats(v, (stat,))[stat] for v in value]]
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=path)
+
+
+def test_instrument_stateful_layer_in_sequential():
+    seq = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "b")])
+    model, state = eqx.nn.make_with_state(lambda: seq)()
+    im = eqx_logs.instrument(model, stats=("mean",))
+    xs = jax.random.normal(jax.random.key(1), (6, 3))
+
+    def f(m, state, xs):
+        return jax.vmap(m, in_axes=(0, None), out_axes=(0, None), axis_name="b")(xs, state)
+
+    (out, new_state), logs = eqx_logs.spool(f)(im, state, xs)
+    want_out, want_state = f(model, state, xs)
+    assert_close(out, want_out)
+    for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state)):
+        assert_close(a, b)
+    assert_close(logs["layers[1]/mean"][0], np.mean(np.asarray(want_out), axis=1))
+
+
+class Stacked(eqx.Module):
+    layers: eqx.nn.Linear  # stacked with eqx.filter_vmap
+
+
+def test_instrument_scan_over_layers_one_event_per_layer():
+    n, width = 5, 6
+    keys = jax.random.split(jax.random.key(0), n)
+    layers = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(keys)
+    model = Stacked(layers)
+    im = eqx_logs.instrument(model, stats=("rms", "absmax"), grads=True)
+    x = jax.random.normal(jax.random.key(1), (width,))
+
+    def apply(model, x):
+        dynamic, static = eqx.partition(model.layers, eqx.is_array)
+
+        def body(h, d):
+            return jnp.tanh(eqx.combine(d, static)(h)), None
+
+        return jnp.sum(lax.scan(body, x, dynamic)[0] ** 2)
+
+    grads, logs = eqx_logs.spool(eqx.filter_grad(apply))(im, x)
+    h, outs = x, []
+    for i in range(n):
+        layer = jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, layers)
+        outs.append(layer(h))
+        h = jnp.tanh(outs[-1])
+    assert logs["layers/rms"].shape == (n,)
+    assert_close(logs["layers/rms"], [np_stats(o, ("rms",))["rms"] for o in outs])
+    assert_close(logs["layers/absmax"], [np.abs(o).max() for o in outs])
+    assert logs["layers/grad/rms"].shape == (n,)  # the backward pass: layers in reverse
+    ct_last = 2 * np.tanh(outs[-1]) * (1 - np.tanh(outs[-1]) ** 2)
+    assert_close(logs["layers/grad/rms"][0], np.sqrt(np.mean(ct_last**2)))
+
+
+def test_instrument_checkpoint_logs_once_and_optax_trains():
+    model = mlp(depth=2)
+    im = eqx_logs.instrument(model, stats=("mean",), grads=True)
+    x = jax.random.normal(jax.random.key(3), (8, 3))
+    optim = optax.adam(1e-2)
+    opt_state = optim.init(eqx.filter(im, eqx.is_array))
+
+    def loss(m, x):
+        return jnp.mean(jax.vmap(eqx.filter_checkpoint(m))(x) ** 2)
+
+    @eqx.filter_jit
+    def step(m, opt_state, x):
+        def body(m):
+            loss_value, grads = eqx.filter_value_and_grad(loss)(m, x)
+            updates, new_state = optim.update(grads, opt_state, eqx.filter(m, eqx.is_array))
+            return eqx.apply_updates(m, updates), new_state, loss_value
+
+        return eqx_logs.spool(body, reduce="mean")(m)
+
+    (new, _, loss_value), logs = step(im, opt_state, x)
+    assert int(logs.count["layers[0]/mean"][0]) == 1  # not twice: checkpoint recomputes
+    assert int(logs.count["layers[0]/grad/mean"][0]) == 1
+    # the same step on the plain model
+    plain_state = optim.init(eqx.filter(model, eqx.is_array))
+    grads = eqx.filter_grad(loss)(model, x)
+    updates, _ = optim.update(grads, plain_state, eqx.filter(model, eqx.is_array))
+    want = eqx.apply_updates(model, updates)
+    for a, b in zip(jax.tree.leaves(eqx.filter(new, eqx.is_array)), jax.tree.leaves(want)):
+        assert_close(a, b)
+    acts = jax.vmap(lambda v: hand_activations(model, v)[0])(x)
+    assert_close(logs["layers[0]/mean"], np.mean(np.asarray(acts), axis=1))  # per example
+
+
+def test_instrument_under_reductions_and_policies():
+    model = mlp(depth=1)
+    im = eqx_logs.instrument(model, stats=("rms",))
+    xs = jax.random.normal(jax.random.key(4), (12, 3))
+
+    def run(m, xs):
+        def body(c, x):
+            return c + m(x)[0], None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    _, stacked = eqx_logs.spool(run)(im, xs)
+    every = np.asarray(stacked["layers[1]/rms"])
+    want = np.array([np_stats(hand_activations(model, x)[1], ("rms",))["rms"] for x in xs])
+    assert_close(every, want)
+    _, logs = eqx_logs.spool(run, interval=3)(im, xs)
+    assert_close(logs["layers[1]/rms"], every[::3])
+    _, logs = eqx_logs.spool(run, window=4, reduce="max")(im, xs)
+    assert_close(logs["layers[1]/rms"], every.reshape(3, 4).max(axis=1))
+    _, logs = eqx_logs.spool(run, reduce=eqx_logs.Histogram(4, (0.0, 2.0)))(im, xs)
+    want_hist = np.histogram(every, bins=4, range=(0.0, 2.0))[0]
+    np.testing.assert_array_equal(logs["layers[1]/rms"], want_hist)
+
+
+# -- first_nonfinite ----------------------------------------------------------------------
+
+
+class Poison(eqx.Module):
+    """At step `at`, makes this layer's output non-finite (`forward`), or the cotangent
+    reaching it from later layers (backward)."""
+
+    layer: eqx.nn.Linear
+    at: int = eqx.field(static=True)
+    backward: bool = eqx.field(static=True)
+
+    def __call__(self, x, t):
+        y = self.layer(x)
+        if self.backward:
+            return _nan_cotangent(y, t == self.at)
+        return jnp.where(t == self.at, jnp.inf, 1.0) * y
+
+
+@jax.custom_vjp
+def _nan_cotangent(y, now):
+    return y
+
+
+def _nan_fwd(y, now):
+    return y, now
+
+
+def _nan_bwd(now, ct):
+    return jnp.where(now, jnp.nan, ct), None
+
+
+_nan_cotangent.defvjp(_nan_fwd, _nan_bwd)
+
+
+class Net(eqx.Module):
+    layers: list
+
+    def __call__(self, x, t):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x, t) if isinstance(layer, Poison) else layer(x))  # (instrumented)
+        return jnp.sum(x**2)
+
+
+def make_net(depth, poison_at, step, backward):
+    keys = jax.random.split(jax.random.key(0), depth)
+    layers = [eqx.nn.Linear(4, 4, key=k) for k in keys]
+    layers[poison_at] = Poison(layers[poison_at], step, backward)
+    return Net(layers)
+
+
+def train(net, steps, **spool_options):
+    x = jnp.linspace(-1, 1, 4)
+
+    @eqx.filter_jit
+    def run(net):
+        def body(net, t):
+            grads = eqx.filter_grad(lambda n: n(x, t))(net)
+            eqx_logs.log("loss", net(x, t), step=t)
+            net = jax.tree.map(lambda p, g: p - 1e-3 * g, net, grads)
+            return net, None
+
+        return eqx_logs.spool(lambda n: lax.scan(body, n, jnp.arange(steps)), **spool_options)(net)
+
+    return run(net)[1]
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("poison_at,step", [(1, 4), (3, 0)])
+def test_first_nonfinite_names_the_layer_step_and_pass(poison_at, step, backward):
+    net = eqx_logs.instrument(make_net(4, poison_at, step, backward), grads=True)
+    logs = train(net, 7, first_nonfinite=True, reduce="last")
+    event = logs.first_nonfinite
+    assert event is not None
+    # forward: the poisoned layer's output (after its Linear's, which is finite); backward:
+    # the cotangent the poison makes non-finite, that of its Linear's output
+    path = f"layers[{poison_at}]" + (".layer/grad/" if backward else "/")
+    assert event.key.startswith(path), event
+    assert event.backward is backward
+    assert event.iterations == (step,)  # the scan over training steps
+    # the forward pass runs twice per step (under grad, then for the loss), backward once
+    assert event.event == (step if backward else 2 * step)
+    assert event.steps == {}  # instrument logs no step values
+    assert event.site.endswith("(__call__)") and "test_instrument.py" in event.site
+    assert f"layers[{poison_at}]" in str(event) and ("backward" in str(event)) is backward
+    assert f"loop iteration {step}" in str(event)
+
+
+def test_first_nonfinite_none_when_finite_and_counts_interval_skipped_events():
+    net = eqx_logs.instrument(make_net(3, 1, 100, False), stats=("mean",))
+    logs = train(net, 5, first_nonfinite=True)
+    assert logs.first_nonfinite is None
+    net = eqx_logs.instrument(make_net(3, 2, 3, False), stats=("mean",))
+    logs = train(net, 5, first_nonfinite=True, interval=4)  # events 0, 4, 8 kept
+    event = logs.first_nonfinite
+    assert (event.key, event.event, event.iterations) == ("layers[2]/mean", 6, (3,))
+    assert int(logs.count["layers[2]/mean"]) == 3
+    with pytest.raises(ValueError, match="first_nonfinite=True"):
+        train(net, 2).first_nonfinite
+
+
+def test_first_nonfinite_steps_lanes_and_straight_line_order():
+    def f(xs):
+        eqx_logs.log("before", jnp.ones(2))
+
+        def body(c, x):
+            eqx_logs.log({"a": jnp.log(x), "b": c}, step=c)
+            return c + 1, None
+
+        lax.scan(body, 0, xs)
+        eqx_logs.log("after", jnp.full(2, jnp.nan))
+        return 0
+
+    xs = jnp.array([[1.0, 2.0], [3.0, 4.0], [1.0, -1.0], [0.0, 1.0]])
+    _, logs = eqx_logs.spool(f, first_nonfinite=True)(xs)
+    event = logs.first_nonfinite
+    assert (event.key, event.event, event.steps, event.backward) == ("a", 2, {"step": 2}, False)
+    assert event.iterations == (2,)
+
+    def g(xs):
+        return jax.vmap(lambda x: eqx_logs.log("v", jnp.sqrt(x)))(xs)
+
+    _, logs = eqx_logs.spool(g, first_nonfinite=True)(jnp.array([1.0, 4.0, -1.0, -2.0]))
+    assert logs.first_nonfinite.lane == 2
+    assert logs.first_nonfinite.event == 0
+
+
+# -- sow and plant ------------------------------------------------------------------------
+
+
+class Sown(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = eqx_logs.sow(f"h{i}", jnp.tanh(layer(x)))
+        return x
+
+
+def test_plant_matches_the_model_edited_by_hand():
+    keys = jax.random.split(jax.random.key(0), 3)
+    model = Sown([eqx.nn.Linear(4, 4, key=k) for k in keys])
+    x = jnp.linspace(-1, 1, 4)
+    value = jnp.array([0.5, -0.5, 0.25, 0.0])
+
+    def by_hand(x):
+        h = jnp.tanh(model.layers[0](x))
+        h = value  # layer 1's output replaced
+        return jnp.tanh(model.layers[2](h))
+
+    assert_close(model(x), eqx_logs.plant(model, {})(x))
+    assert_close(eqx_logs.plant(model, {"h1": value})(x), by_hand(x))
+    assert_close(jax.jit(eqx_logs.plant(model, {"h1": value}))(x), by_hand(x))
+    # spool outside records the planted value
+    out, logs = eqx_logs.spool(eqx_logs.plant(model, {"h1": value}))(x)
+    assert_close(logs["h1"], [value])
+    assert_close(logs["h2"], [by_hand(x)])
+    # gradients: with respect to the input (the planted value is a constant), and to the value
+    g = jax.grad(lambda x: jnp.sum(eqx_logs.plant(model, {"h1": value})(x)))(x)
+    assert_close(g, np.zeros(4))
+    g = jax.grad(lambda v: jnp.sum(eqx_logs.plant(model, {"h1": v})(x)))(value)
+    assert_close(g, jax.grad(lambda h: jnp.sum(jnp.tanh(model.layers[2](h))))(value))
+
+
+def test_plant_per_event_in_loops_and_replay_under_vmap():
+    def f(xs):
+        def body(c, x):
+            return c * 0.5 + eqx_logs.sow("x", x), None
+
+        return lax.scan(body, 0.0, xs)[0]
+
+    rows = jnp.array([10.0, 20.0, 30.0, 40.0])
+    want = 0.0
+    for r in rows:
+        want = want * 0.5 + r
+    assert_close(eqx_logs.plant(f, {"x": rows})(jnp.ones(4)), want)
+
+    def w(x):
+        def body(c):
+            i, acc = c
+            return i + 1, acc + eqx_logs.sow("acc", acc)
+
+        return lax.while_loop(lambda c: c[0] < 3, body, (0, x))[1]
+
+    assert_close(eqx_logs.plant(w, {"acc": jnp.array([1.0, 2.0, 3.0])})(1.0), 7.0)
+
+    def batched(xs):
+        return jax.vmap(f)(xs)
+
+    xs = jax.random.normal(jax.random.key(0), (3, 4))
+    _, logs = eqx_logs.spool(batched)(xs)
+    assert logs["x"].shape == (4, 3)  # events, lanes
+    assert_close(eqx_logs.plant(batched, logs)(jnp.zeros((3, 4))), batched(xs))
+
+
+def test_plant_errors():
+    def f(x):
+        eqx_logs.log("logged", x)
+        return eqx_logs.sow("h", x * 2) + 1
+
+    with pytest.raises(
+        ValueError,
+        match=r"'y' is not sown in .*f; the keys sown there are \['h'\] \(logged, not sown: \['logged'\]",
+    ):
+        eqx_logs.plant(f, {"y": 1.0})(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"'h' is sown with shape \(3,\).*got \(2, 2\)"):
+        eqx_logs.plant(f, {"h": jnp.ones((2, 2))})(jnp.ones(3))
+
+    def g(xs):
+        return lax.scan(lambda c, x: (c + eqx_logs.sow("x", x), None), 0.0, xs)[0]
+
+    with pytest.raises(ValueError, match=r"'x' is sown 5 times .* but 2 rows were planted"):
+        eqx_logs.plant(g, {"x": jnp.ones(2)})(jnp.ones(5))
+    with pytest.raises(TypeError, match="values must be a dict"):
+        eqx_logs.plant(g, [1.0])
+    # outside any spool or plant, sow is the identity and adds nothing
+    assert len(jax.make_jaxpr(lambda x: eqx_logs.sow("h", x))(1.0).eqns) == 0
