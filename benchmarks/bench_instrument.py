@@ -300,7 +300,8 @@ def main() -> int:
         repeats,
     )
     for name, ts in times.items():
-        print(f"    {name:<13} median {bench_core.fmt_time(statistics.median(ts) / calls)} per step")
+        per_step = bench_core.fmt_time(statistics.median(ts) / calls)
+        print(f"    {name:<13} median {per_step} per step")
     run_ratio = bench_core.paired_ratio(times["instrumented"], times["plain"])
     run_ok = run_ratio <= RUNTIME_TARGET
     print(

@@ -170,9 +170,12 @@ def instrument(
     static field that says what to log. `eqx.filter_jit`, `eqx.filter_grad` and optax work on
     it as on the model; its tree structure differs in those classes, so make the optimiser
     state from the instrumented model. Outside a `spool` or `tap` it compiles to exactly the
-    program of the original. Under `jax.vmap` each lane (example) has its own statistics,
-    as every logged value does; a layer stacked with `eqx.filter_vmap` and applied in
-    `lax.scan` logs one event per layer.
+    program of the original.
+
+    The statistics are over everything a call computes: under a `jax.vmap` inside the spool
+    (over the batch, or Equinox's over the tokens of a sequence) over all lanes together, one
+    value per call rather than one per example or token. A layer stacked with
+    `eqx.filter_vmap` and applied in `lax.scan` logs one event per layer.
 
     !!! example
 

@@ -6,6 +6,7 @@ from typing import Any
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from . import _compat
@@ -91,10 +92,33 @@ def path_name(path: Sequence[Any]) -> str:
     return jtu.keystr(tuple(path)).removeprefix(".")
 
 
+def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
+    return [STATS[name](x) for name in stats]
+
+
+# The statistics of one array, over all of it: under `jax.vmap`, over every lane at once (its
+# batching rule binds it on the batched array, with unbatched outputs), so a module vmapped
+# over a batch or over tokens has one statistic per call, not one per lane. No derivative:
+# the statistics are logged, not differentiated. Lowered behind an optimization barrier: XLA
+# would otherwise share the statistics' arithmetic with the model's (an `x*x` with a GELU's
+# derivative) and keep that shared array alive until the backward pass.
+stats_p = _compat.Primitive("eqx_logs.stats")
+stats_p.multiple_results = True
+stats_p.def_impl(_compute)
+_compat.def_abstract_eval_of(stats_p, _compute)
+_compat.def_no_derivative(stats_p)
+_compat.def_batching(
+    stats_p, lambda args, dims, *, stats: (stats_p.bind(*args, stats=stats), [None] * len(stats))
+)
+_compat.def_lowering(
+    stats_p, lambda x, *, stats: _compute(lax.optimization_barrier(x), stats=stats)
+)
+
+
 def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
-    """`{name: statistic of x}` for every name in `stats`."""
-    x = jnp.asarray(x)
-    return {name: STATS[name](x) for name in stats}
+    """`{name: statistic of x}` for every name in `stats`, over all of `x` (and every vmap
+    lane of it)."""
+    return dict(zip(stats, stats_p.bind(jnp.asarray(x), stats=stats)))
 
 
 def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...]) -> dict[str, Array]:
@@ -122,6 +146,8 @@ def log_stats(
     """Log statistics of every array leaf of a pytree, each under a key of its own.
 
     The statistics are computed where the values are, on device; only the scalars are logged.
+    Each is over the whole leaf: under `jax.vmap`, over all lanes together (one value, not
+    one per lane).
 
     **Arguments:**
 

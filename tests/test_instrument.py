@@ -91,6 +91,28 @@ def test_log_stats_of_a_model_and_a_lone_array_and_scope():
         assert int(logs.step[f"s/params/layers[{i}].bias/norm"][0]) == 3
 
 
+def test_log_stats_under_vmap_is_over_all_lanes():
+    xs = jax.random.normal(jax.random.key(5), (6, 3))
+
+    def f(xs):
+        return jax.vmap(lambda x: eqx_logs.log_stats("x", 2 * x, stats=("std", "max")))(xs)
+
+    _, logs = eqx_logs.spool(f)(xs)
+    assert_close(logs["x/std"], [np.std(2 * np.asarray(xs))])
+    assert_close(logs["x/max"], [np.max(2 * np.asarray(xs))])
+
+    def g(xs):  # under grad: the statistics take no derivative, the gradient is unchanged
+        def per_example(x):
+            eqx_logs.log_stats("x", x, stats=("norm",))
+            return jnp.sum(jnp.sin(x))
+
+        return jnp.sum(jax.vmap(per_example)(xs))
+
+    grads, logs = eqx_logs.spool(jax.grad(g))(xs)
+    assert_close(grads, np.cos(np.asarray(xs)))
+    assert_close(logs["x/norm"], [np.linalg.norm(np.asarray(xs))])
+
+
 def test_log_stats_errors_and_nothing_outside_a_spool():
     with pytest.raises(ValueError, match=r"unknown statistic\(s\) \['median'\].*choose from"):
         eqx_logs.log_stats("g", jnp.ones(2), stats=("mean", "median"))
@@ -121,11 +143,11 @@ def test_instrument_mlp_forward_stats_match_hand(jit):
     assert_close(out, jax.vmap(model)(xs))
     per_example = [hand_activations(model, x) for x in xs]
     for i in range(len(model.layers)):
-        for stat in ALL:
+        batch = np.stack([acts[i] for acts in per_example])
+        for stat, want in np_stats(batch).items():
             got = logs[f"layers[{i}]/{stat}"]
-            want = [np_stats(acts[i])[stat] for acts in per_example]
-            assert got.shape == (1, 5)  # one event, a lane per example (vmap inside)
-            np.testing.assert_allclose(got[0], want, rtol=2e-5, atol=1e-6, err_msg=stat)
+            assert got.shape == (1,)  # one event, over the whole batch (the vmap inside)
+            np.testing.assert_allclose(got, [want], rtol=2e-5, atol=1e-6, err_msg=stat)
     assert all(k.startswith("layers[") for k in logs)  # the model itself is not logged
 
 
@@ -246,28 +268,26 @@ def test_instrument_equinox_layers_match_hand():
     lin = jax.vmap(block.seq.layers[0])(h)
     relu = jax.nn.relu(lin)
     q = jax.vmap(block.attention.query_proj)(x)  # a submodule of a submodule, under vmap
-    expected = {
-        "attention": (attn, None),
-        "norm": (normed, 4),  # vmapped: a lane per position
-        "conv": (conv, None),
-        "seq": (relu, 4),
-        "seq.layers[0]": (lin, 4),
-        "seq.layers[1]": (relu, 4),
-        "seq.layers[2]": (relu, 4),
-        "attention.query_proj": (q, 4),
+    expected = {  # vmapped over positions: the statistics are over all of them
+        "attention": attn,
+        "norm": normed,
+        "conv": conv,
+        "seq": relu,
+        "seq.layers[0]": lin,
+        "seq.layers[1]": relu,
+        "seq.layers[2]": relu,
+        "attention.query_proj": q,
     }
-    for path, (value, lanes) in expected.items():
-        for stat in ("mean", "norm"):
+    for path, value in expected.items():
+        for stat, want in np_stats(value, ("mean", "norm")).items():
             got = np.asarray(logs[f"{path}/{stat}"])
-            if lanes is None:
-                want = [np_stats(value, (stat,))[stat]]
-            else:
-                want = [[np_stats(v, (stat,))[stat] for v in value]]
-            np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6, err_msg=path)
+            np.testing.assert_allclose(got, [want], rtol=2e-5, atol=1e-6, err_msg=path)
 
 
 def test_instrument_stateful_layer_in_sequential():
-    seq = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "b")])
+    seq = eqx.nn.Sequential(
+        [eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.BatchNorm(4, "b", mode="batch")]
+    )
     model, state = eqx.nn.make_with_state(lambda: seq)()
     im = eqx_logs.instrument(model, stats=("mean",))
     xs = jax.random.normal(jax.random.key(1), (6, 3))
@@ -280,7 +300,7 @@ def test_instrument_stateful_layer_in_sequential():
     assert_close(out, want_out)
     for a, b in zip(jax.tree.leaves(new_state), jax.tree.leaves(want_state)):
         assert_close(a, b)
-    assert_close(logs["layers[1]/mean"][0], np.mean(np.asarray(want_out), axis=1))
+    assert_close(logs["layers[1]/mean"], [np.mean(np.asarray(want_out))])
 
 
 class Stacked(eqx.Module):
@@ -337,8 +357,8 @@ def test_instrument_checkpoint_logs_once_and_optax_trains():
         return eqx_logs.spool(body, reduce="mean")(m)
 
     (new, _, loss_value), logs = step(im, opt_state, x)
-    assert int(logs.count["layers[0]/mean"][0]) == 1  # not twice: checkpoint recomputes
-    assert int(logs.count["layers[0]/grad/mean"][0]) == 1
+    assert int(logs.count["layers[0]/mean"]) == 1  # not twice: checkpoint recomputes
+    assert int(logs.count["layers[0]/grad/mean"]) == 1
     # the same step on the plain model
     plain_state = optim.init(eqx.filter(model, eqx.is_array))
     grads = eqx.filter_grad(loss)(model, x)
@@ -347,7 +367,7 @@ def test_instrument_checkpoint_logs_once_and_optax_trains():
     for a, b in zip(jax.tree.leaves(eqx.filter(new, eqx.is_array)), jax.tree.leaves(want)):
         assert_close(a, b)
     acts = jax.vmap(lambda v: hand_activations(model, v)[0])(x)
-    assert_close(logs["layers[0]/mean"], np.mean(np.asarray(acts), axis=1))  # per example
+    assert_close(logs["layers[0]/mean"], np.mean(np.asarray(acts)))  # over the batch
 
 
 def test_instrument_under_reductions_and_policies():
@@ -575,7 +595,8 @@ def test_plant_errors():
 
     with pytest.raises(
         ValueError,
-        match=r"'y' is not sown in .*f; the keys sown there are \['h'\] \(logged, not sown: \['logged'\]",
+        match=r"'y' is not sown in .*f; the keys sown there are \['h'\] "
+        r"\(logged, not sown: \['logged'\]",
     ):
         eqx_logs.plant(f, {"y": 1.0})(jnp.ones(3))
     with pytest.raises(ValueError, match=r"'h' is sown with shape \(3,\).*got \(2, 2\)"):
