@@ -611,3 +611,20 @@ def test_plant_errors():
         eqx_logs.plant(g, [1.0])
     # outside any spool or plant, sow is the identity and adds nothing
     assert len(jax.make_jaxpr(lambda x: eqx_logs.sow("h", x))(1.0).eqns) == 0
+
+
+def test_first_nonfinite_inside_a_shard_map_is_refused():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
+    P = jax.sharding.PartitionSpec
+
+    def f(x):
+        def body(x):
+            eqx_logs.log("x", x)
+            return x
+
+        return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
+
+    with pytest.raises(ValueError, match=r"first_nonfinite=True\): key 'x' is logged inside"):
+        eqx_logs.spool(f, first_nonfinite=True)(jnp.ones(2))
+    _, logs = eqx_logs.spool(f)(jnp.ones(2))  # without it, as before
+    assert_close(logs["x"], [[[1.0, 1.0]]])
