@@ -5,21 +5,28 @@ Importing this module registers, in the ConfigStore:
 - group `logging`, name `base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy`
   into an `eqx_logs.Policy`;
 - group `logger`, one `<name>_base` per backend: `console_base`, `jsonl_base`, `array_base`,
-  `tensorboard_base`, `wandb_base`, `mlflow_base`, `progress_base` (`ConsoleLoggerConfig`, ...).
+  `tensorboard_base`, `wandb_base`, `mlflow_base`, `progress_base` (`ConsoleLoggerConfig`, ...);
+- group `instrument`, name `base`: `InstrumentConfig`, instantiated by
+  `eqx_logs.config.instrumentation` into an `Instrumentation` (`eqx_logs.instrument` as
+  configured: `instrumentation(model)`).
 
 YAML files extend them (`defaults: [base, _self_]`), and `hydra.utils.instantiate(cfg.logging)`
-returns a Policy, `instantiate(cfg.logger)` a logger. Reductions are names (`reduce: mean`) or
-nested `_target_` nodes (`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
+returns a Policy, `instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an
+Instrumentation. Reductions are names (`reduce: mean`) or nested `_target_` nodes
+(`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
 """
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ._checks import is_count
 from ._policy import Policy, as_reduction
+from ._stats import DEFAULT_STATS, STATS, check_stats
+
+_M = TypeVar("_M")
 
 
 @dataclass
@@ -37,6 +44,17 @@ class PolicyConfig:
     across: list[str] = field(default_factory=list)
     first_nonfinite: bool = False
     config_key: str = "logging"
+
+
+@dataclass
+class InstrumentConfig:
+    _target_: str = "eqx_logs.config.instrumentation"
+    _convert_: str = "all"
+    enabled: bool = False
+    stats: list[str] = field(default_factory=lambda: list(DEFAULT_STATS))
+    grads: bool = False
+    where: Any = None  # a path pattern ("layers[*]"), a list of them, or null: every submodule
+    config_key: str = "instrument"
 
 
 @dataclass
@@ -170,6 +188,83 @@ def policy(
     )
 
 
+@dataclass(frozen=True)
+class Instrumentation:
+    """What `instantiate(cfg.instrument)` returns: `instrumentation(model)` is `model` with
+    `eqx_logs.instrument(model, stats=..., grads=..., where=...)` applied, or `model` itself
+    when `enabled` is false. Make the optimiser state and the parameters from the result."""
+
+    enabled: bool
+    stats: tuple[str, ...]
+    grads: bool
+    where: tuple[str, ...] | None
+    config_key: str = "instrument"
+
+    def __call__(self, model: _M) -> _M:
+        if not self.enabled:
+            return model
+        from ._instrument import instrument
+
+        try:
+            return instrument(model, stats=self.stats, grads=self.grads, where=self.where)
+        except ValueError as e:  # `where` selects nothing: say which config key
+            if self.where is None:
+                raise
+            raise ValueError(f"{self.config_key}.where={list(self.where)!r}: {e}") from None
+
+    def describe(self) -> str:
+        """One line: what is logged, e.g. `mean, rms of every submodule, gradients too`."""
+        if not self.enabled:
+            return "off"
+        where = "every submodule" if self.where is None else f"submodules {list(self.where)}"
+        return f"{', '.join(self.stats)} of {where}{', gradients too' if self.grads else ''}"
+
+
+def instrumentation(
+    enabled: bool = False,
+    stats: Any = DEFAULT_STATS,
+    grads: bool = False,
+    where: Any = None,
+    config_key: str = "instrument",
+) -> Instrumentation:
+    """An `Instrumentation` from config values. A bad value raises a `ValueError` naming the
+    config key and the value, e.g. `instrument.stats=['foo']: unknown statistic(s) ...`.
+
+    **Arguments:** as `eqx_logs.instrument` (`where`: a path pattern or a list of them, not a
+    function), plus `enabled` (false: the model is left as it is) and `config_key`, the name
+    used in error messages.
+    """
+
+    def bad(name: str, value: Any, why: str) -> ValueError:
+        return ValueError(f"{config_key}.{name}={value!r}: {why}")
+
+    stats, where = _plain(stats), _plain(where)
+    for name, value in (("enabled", enabled), ("grads", grads)):
+        if not isinstance(value, bool):
+            raise bad(name, value, "must be true or false")
+    if not isinstance(stats, list | tuple) or not stats:
+        raise bad("stats", stats, f"must be a non-empty list of statistics from {list(STATS)}")
+    try:
+        stats = check_stats(tuple(stats), "stats")
+    except (TypeError, ValueError) as e:
+        raise bad("stats", stats, str(e).split(": ", 1)[-1]) from None
+    if isinstance(where, str):
+        where = [where]
+    if where is not None and not (
+        isinstance(where, list | tuple) and where and all(isinstance(w, str) for w in where)
+    ):
+        raise bad(
+            "where", where, "must be null (every submodule), a path pattern or a list of them"
+        )
+    return Instrumentation(
+        enabled=enabled,
+        stats=stats,
+        grads=grads,
+        where=None if where is None else tuple(where),
+        config_key=config_key,
+    )
+
+
 def multi_logger(*loggers: Any) -> Any:
     """An `eqx_logs.loggers.MultiLogger` from logger configs (with `_recursive_: false`, so
     that OmegaConf does not turn the instantiated loggers, which are dataclasses, back into
@@ -184,6 +279,7 @@ def multi_logger(*loggers: Any) -> Any:
 def register_configs() -> None:
     cs = ConfigStore.instance()
     cs.store(group="logging", name="base", node=PolicyConfig)
+    cs.store(group="instrument", name="base", node=InstrumentConfig)
     for name, node in (
         ("console", ConsoleLoggerConfig),
         ("jsonl", JsonlLoggerConfig),

@@ -2,16 +2,22 @@
 
     python examples/instrument.py
 
-A small ReLU MLP whose layers[1] is initialised 4x too large is trained by SGD, the steps
-scanned inside `eqx.filter_jit`, with a learning rate that warms up to a value too large for
-it. After a while the weights start to grow, and a few steps later some layer's output (or
-the gradient flowing into it) overflows to inf or NaN, and everything after it goes NaN.
+A small leaky-ReLU MLP whose layers[1] is initialised 4x too large is trained by SGD, the
+steps scanned inside `eqx.filter_jit`, with a learning rate that warms up to a value too large
+for it. For about 20 steps the loss falls; then, as the learning rate keeps rising, it climbs,
+and from step 26 the weights explode: every layer's output and gradient grows by orders of
+magnitude each step, until one of them overflows to inf and everything computed from it is
+inf or NaN. Which one was first?
 
 `eqx_logs.instrument(model, stats=..., grads=True)` logs statistics of every layer's output,
 and of its cotangent in the backward pass, without editing the model; `first_nonfinite=True`
-makes the spool also report the first event, in execution order, with a NaN or infinite
-value: which key (so which layer), which step, which pass, and where it was logged. The
-example prints that report and the statistics of every layer over the steps before it.
+makes the spool also report the first logged value, in execution order, with a NaN or an
+infinite element: its key (so the layer), its step (the scan's iteration), its pass and where
+it was logged. The example prints that report and a table of every layer's statistics over
+the steps before it. With these seeds it names the badly initialised layer: the gradient
+flowing into layers[1] overflows first, in the backward pass of step 28, while every layer's
+output is still finite (the loss overflows in that step too, but is logged after the backward
+pass).
 
 The statistics are absmax (the largest |value|) and nonfinite (how many elements are NaN or
 infinite): both are exact for any finite array, so an event is non-finite exactly when the
@@ -29,8 +35,8 @@ import eqx_logs
 
 SIZES = (4, 32, 32, 32, 1)  # input, three hidden layers, output
 BAD_LAYER, BAD_SCALE = 1, 4.0  # layers[1]'s weights are initialised BAD_SCALE times too large
-PEAK_LR, WARMUP = 0.5, 40  # the learning rate rises linearly to PEAK_LR over WARMUP steps
-STEPS, BATCH, SEED = 60, 64, 0
+PEAK_LR, WARMUP = 2.0, 40  # the learning rate rises linearly to PEAK_LR over WARMUP steps
+STEPS, BATCH, SEED = 60, 64, 1
 STATS = ("absmax", "nonfinite")
 SHOW = 4  # steps shown before the blow-up
 
@@ -63,7 +69,7 @@ class MLP(eqx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers[:-1]:
-            x = jax.nn.relu(layer(x))
+            x = jax.nn.leaky_relu(layer(x))
         return self.layers[-1](x)[:, 0]
 
 
@@ -80,6 +86,7 @@ def learning_rate(i: jax.Array) -> jax.Array:
     return PEAK_LR * jnp.minimum(1.0, (i + 1) / WARMUP)
 
 
+@eqx.filter_jit  # one compiled program, not one per operation of the initialisation
 def setup() -> tuple[MLP, jax.Array, jax.Array]:
     """The model (not instrumented) and the data."""
     kdata, kmodel = jax.random.split(jax.random.key(SEED))
@@ -107,46 +114,45 @@ def train(model, x, y):
 
 
 def layer_of(key: str) -> tuple[str, bool]:
-    """`("layers[2]", True)` for `"layers[2]/grad/absmax"`: the layer, and whether it is the
-    statistic of its cotangent."""
+    """`("layers[2]", True)` for `"layers[2]/grad/absmax"`: the layer, and whether the key is
+    a statistic of its cotangent."""
     path = key.rsplit("/", 1)[0]
     return path.removesuffix("/grad"), path.endswith("/grad")
-
-
-def step_of(event: eqx_logs.NonfiniteEvent) -> int:
-    # `instrument` logs no step value: each layer runs once a step, forward and backward, so
-    # the index of its event is the step (the loss is logged with `step=i`)
-    return event.steps.get("step", event.event)
 
 
 def main() -> None:
     model, x, y = setup()
     model = eqx_logs.instrument(model, stats=STATS, grads=True)
     _, logs = train(model, x, y)
-    losses = np.asarray(logs["loss"])
-    print(f"loss {losses[0]:.4f} at step 0, {losses[WARMUP // 2]:.4f} at step {WARMUP // 2}")
 
     event = logs.first_nonfinite
     if event is None:
         print(f"every logged value is finite after {STEPS} steps")
         return
-    step = step_of(event)
-    layer, backward = layer_of(event.key)
     print(event)
-    print(
-        f"first non-finite: {layer} {'gradient (backward' if backward else 'output (forward'} "
-        f"pass) at step {step}, key {event.key!r}"
-    )
+    # `instrument` logs no step value; the scan's iteration is the step (the loss has both)
+    step = event.steps.get("step", event.iterations[0])
+    layer, backward = layer_of(event.key)
+    what = "gradient (backward pass)" if backward else "output (forward pass)"
+    print(f"first non-finite: {layer} {what} at step {step}, key {event.key!r}")
+    path = event.key.rsplit("/", 1)[0]
+    if f"{path}/nonfinite" in logs:
+        count = int(logs[f"{path}/nonfinite"][step])
+        size = BATCH * SIZES[int(layer.removeprefix("layers[").removesuffix("]")) + 1]
+        print(f"{count} of its {size} values are inf or NaN")
+    loss = np.asarray(logs["loss"])
+    print(f"loss: {loss[0]:.4g} at step 0, {loss[step - 1]:.4g} at step {step - 1}", end="")
+    print(f", {loss[step]:.4g} at step {step}")
 
-    # absmax of every layer's output (forward) and cotangent (backward), the steps before
+    # absmax of every layer's output and cotangent, in execution order, the steps before
     names = [f"layers[{i}]" for i in range(len(SIZES) - 1)]
-    rows = [n for n in names] + [f"{n}/grad" for n in reversed(names)]  # execution order
+    rows = names + [f"{n}/grad" for n in reversed(names)]
     steps = list(range(max(0, step - SHOW), step + 1))
-    print(f"absmax per layer, steps {steps[0]}..{step} (forward, then backward):")
+    print(f"absmax of each layer's output, then of its gradient, steps {steps[0]} to {step}:")
     print(f"{'':14}" + "".join(f"{f'step {s}':>12}" for s in steps))
     for row in rows:
         values = np.asarray(logs[f"{row}/absmax"])
-        flag = "  <- first non-finite" if row == event.key.rsplit("/", 1)[0] else ""
+        flag = "  <- first non-finite" if f"{row}/absmax" == event.key else ""
         print(f"{row:14}" + "".join(f"{values[s]:12.3g}" for s in steps) + flag)
 
 

@@ -10,10 +10,22 @@
     python examples/train.py logger=progress train.stream=true
     python -m eqx_logs plot outputs/<date>/<time> -o curves.png
 
+    python examples/train.py instrument=all           # statistics of every layer (and gradient)
+    python examples/train.py instrument=norms "instrument.where=['layers[0]']"
+    python -m eqx_logs plot outputs/<date>/<time> -k 'layers[0]/*' -o layer0.png
+    python examples/train.py logging.first_nonfinite=true train.lr=5   # where did it go NaN?
+
 The training steps are scanned inside `eqx.filter_jit`. `logger.spool(run, state, policy=...)`
 inside the jitted call collects the logs, reduced on the device as the policy says, and the
 logger writes them into Hydra's run directory (on a background thread) after every chunk of
 steps. With `train.stream=true`, `logger.tap` writes each selected event as it happens instead.
+
+`instrument=all` (conf/instrument/) applies `eqx_logs.instrument` to the model before training:
+every layer's output statistics are logged as `layers[<i>]/<stat>`, the gradient's as
+`layers[<i>]/grad/<stat>` (tagged "instrument"; they carry no `step`, so `logging.interval`
+counts them within each chunk). With `logging.first_nonfinite=true` each chunk's logs are
+spooled here, then written with `logger.write`, and the first value with a NaN or an infinity
+is reported (key, step, pass, where it was logged).
 """
 
 import os
@@ -50,13 +62,15 @@ class MLP(eqx.Module):
 
 
 def loss_fn(model, x, y):
+    # one example at a time, vmapped: `instrument`'s statistics are over the whole batch
     return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
 
 @eqx.filter_jit
 def train_chunk(model, logger, state, policy, stream, x, y, lr, start, num_steps):
-    """`num_steps` SGD steps, scanned; the logger writes their logs. Returns the new model."""
-    params, static = eqx.partition(model, eqx.is_array)
+    """`num_steps` SGD steps, scanned; the logger writes their logs. Returns the new model, and
+    with `policy.first_nonfinite` the logs (for the caller to write), else None."""
+    params, static = eqx.partition(model, eqx.is_array)  # an instrumented model's arrays
 
     def step(params, i):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(eqx.combine(params, static), x, y)
@@ -71,11 +85,14 @@ def train_chunk(model, logger, state, policy, stream, x, y, lr, start, num_steps
     def run(params):
         return jax.lax.scan(step, params, jnp.arange(num_steps))[0]
 
+    logs = None
     if stream:  # each selected event as it happens (interval, tags, exclude; no reduction)
         params = logger.tap(run, state, policy=policy)(params)
+    elif policy.first_nonfinite:  # the logs come out, with the report (logger.spool drops it)
+        params, logs = eqx_logs.spool(run, policy=policy)(params)
     else:
         params = logger.spool(run, state, policy=policy)(params)
-    return eqx.combine(params, static)
+    return eqx.combine(params, static), logs
 
 
 def dataset(key, batch):
@@ -86,6 +103,7 @@ def dataset(key, batch):
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     policy = instantiate(cfg.logging)
+    instrumentation = instantiate(cfg.instrument)  # `model -> model`, as configured
     train = cfg.train
     if train.steps % train.chunk:
         raise ValueError(
@@ -99,16 +117,27 @@ def main(cfg: DictConfig) -> float:
             f"logging.window={policy.window} must divide train.chunk={train.chunk}: it counts "
             "events within each jitted chunk of steps."
         )
+    if policy.first_nonfinite and train.stream:
+        raise ValueError(
+            "logging.first_nonfinite=true needs the logs spooled, not train.stream=true: a tap "
+            "writes each event as it happens and does not look for non-finite values."
+        )
     kdata, kmodel = jax.random.split(jax.random.key(train.seed))
     x, y = dataset(kdata, train.batch)
-    model = MLP(train.width, kmodel)
+    # instrumented before training: the parameters are the instrumented model's arrays
+    model = instrumentation(MLP(train.width, kmodel))
     first = float(loss_fn(model, x, y))
+    nonfinite = None  # (the first chunk's start step, its report)
     with instantiate(cfg.logger) as logger:
         state = logger.init(train.run)
         for start in range(0, train.steps, train.chunk):
-            model = train_chunk(
+            model, logs = train_chunk(
                 model, logger, state, policy, train.stream, x, y, train.lr, start, train.chunk
             )
+            if logs is not None:
+                logger.write(logs, state)
+                if nonfinite is None and logs.first_nonfinite is not None:
+                    nonfinite = (start, logs.first_nonfinite)
     # leaving the `with` block waited for the writer thread and closed the files
     final = float(loss_fn(model, x, y))
     print(f"loss {first:.4f} -> {final:.4f} after {train.steps} steps")
@@ -117,6 +146,16 @@ def main(cfg: DictConfig) -> float:
         f"logged with {how}, interval={policy.interval}, window={policy.window}, "
         f"tags={policy.tags}, exclude={policy.exclude}"
     )
+    print(f"instrumented: {instrumentation.describe()}")
+    if policy.first_nonfinite:
+        if nonfinite is None:
+            print("first non-finite value: none, every logged value is finite")
+        else:
+            start, event = nonfinite
+            # the keys logged with `step=` carry it; instrument's are placed by the scan's
+            # iteration within the chunk
+            step = event.steps.get("step", start + event.iterations[0])
+            print(f"step {step}: {event}")
     out = HydraConfig.get().runtime.output_dir
     where = getattr(logger, "path", None) or getattr(logger, "logdir", None)
     if where is not None:

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +26,7 @@ from omegaconf import OmegaConf
 import eqx_logs
 import eqx_logs.config  # noqa: F401  (registers the structured configs)
 from eqx_logs import Fanout, Max, Mean, Stack, Window
+from eqx_logs.config import Instrumentation
 from eqx_logs.loggers import (
     AbstractLogger,
     ArrayLogger,
@@ -411,6 +413,170 @@ def test_wrong_type_is_hydras_error(override, value):
 
 
 # --------------------------------------------------------------------------------------------
+# logging.first_nonfinite and the instrument group (eqx_logs.config.InstrumentConfig)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.fast
+def test_first_nonfinite_is_a_logging_key():
+    assert compose_policy().first_nonfinite is False
+    assert compose_policy("logging.first_nonfinite=true").first_nonfinite is True
+    assert compose_policy("logging=train", "logging.first_nonfinite=true").first_nonfinite is True
+    with pytest.raises(ConfigCompositionException):
+        compose_cfg("logging.first_nonfinite=abc")
+
+
+def compose_instrumentation(*overrides: str) -> Instrumentation:
+    return instantiate(compose_cfg(*overrides).instrument)
+
+
+ALL_STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # conf/instrument/all.yaml
+INSTRUMENT_CASES = {
+    "default: off": ([], dict(enabled=False, stats=ALL_STATS, grads=False, where=None)),
+    "instrument=all": (["instrument=all"], dict(enabled=True, stats=ALL_STATS, grads=True)),
+    "instrument=norms": (["instrument=norms"], dict(enabled=True, stats=("norm",), grads=True)),
+    "instrument=off": (["instrument=off"], dict(enabled=False, stats=ALL_STATS, grads=False)),
+    "instrument.enabled=true": (
+        ["instrument.enabled=true"],
+        dict(enabled=True, stats=ALL_STATS, grads=False),
+    ),
+    "instrument.stats=[rms,absmax]": (
+        ["instrument=all", "instrument.stats=[rms,absmax]"],
+        dict(enabled=True, stats=("rms", "absmax"), grads=True),
+    ),
+    "repeated statistics once": (
+        ["instrument=norms", "instrument.stats=[norm,max,norm]"],
+        dict(enabled=True, stats=("norm", "max"), grads=True),
+    ),
+    "instrument.grads=false": (
+        ["instrument=all", "instrument.grads=false"],
+        dict(enabled=True, stats=ALL_STATS, grads=False),
+    ),
+    "instrument.where=[...]": (
+        ["instrument=all", "instrument.where=['layers[0]','layers[2]']"],
+        dict(enabled=True, stats=ALL_STATS, grads=True, where=("layers[0]", "layers[2]")),
+    ),
+    "instrument.where one pattern": (
+        ["instrument=norms", "instrument.where='layers[*]'"],
+        dict(enabled=True, stats=("norm",), grads=True, where=("layers[*]",)),
+    ),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, want", INSTRUMENT_CASES.values(), ids=list(INSTRUMENT_CASES))
+def test_compose_instrument(overrides, want):
+    got = compose_instrumentation(*overrides)
+    assert type(got) is Instrumentation
+    assert got.enabled is want["enabled"] and got.grads is want["grads"]
+    assert type(got.stats) is tuple and got.stats == want["stats"]
+    where = want.get("where")
+    assert got.where == where and (where is None or type(got.where) is tuple)
+
+
+class _Net(eqx.Module):
+    layers: tuple
+
+    def __call__(self, x):
+        for layer in self.layers:
+            x = jnp.tanh(layer(x))
+        return jnp.sum(x)
+
+
+def _net():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return _Net((eqx.nn.Linear(3, 4, key=k1), eqx.nn.Linear(4, 2, key=k2)))
+
+
+@pytest.mark.fast
+def test_instrumentation_applies_instrument():
+    net, x = _net(), jnp.arange(3.0)
+    assert compose_instrumentation()(net) is net  # off: the model itself
+    inst = compose_instrumentation("instrument=norms", "instrument.where=['layers[1]']")
+    model = inst(net)
+    grads, logs = eqx_logs.spool(eqx.filter_grad(lambda m: m(x)))(model)
+    assert set(logs) == {"layers[1]/norm", "layers[1]/grad/norm"}
+    h = jnp.tanh(net.layers[0](x))
+    np.testing.assert_allclose(logs["layers[1]/norm"], [jnp.linalg.norm(net.layers[1](h))], 1e-6)
+    # the same arrays: parameters and gradients of the instrumented model are the model's
+    np.testing.assert_array_equal(model.layers[1].weight, net.layers[1].weight)
+    want = eqx.filter_grad(lambda m: m(x))(net)
+    np.testing.assert_allclose(grads.layers[0].weight, want.layers[0].weight, rtol=1e-6)
+    all_keys = set(eqx_logs.spool(_net_call)(compose_instrumentation("instrument=all")(net), x)[1])
+    assert all_keys == {f"layers[{i}]/{s}" for i in (0, 1) for s in ALL_STATS}  # forward only
+    assert "every submodule, gradients too" in compose_instrumentation("instrument=all").describe()
+    assert compose_instrumentation().describe() == "off"
+
+
+def _net_call(model, x):
+    return model(x)
+
+
+# Bad values fail when the config is instantiated, naming key and value (as logging's do).
+BAD_INSTRUMENT_VALUES = {
+    "unknown statistic": (
+        ["instrument.stats=[foo]"],
+        "instrument.stats=['foo']: unknown statistic(s) ['foo']; choose from ('mean', ",
+    ),
+    "one unknown among known": (
+        ["instrument=all", "instrument.stats=[rms,meen]"],
+        "instrument.stats=['rms', 'meen']: unknown statistic(s) ['meen']",
+    ),
+    "a number": (["instrument.stats=[1.5]"], "instrument.stats=['1.5']: unknown statistic"),
+    "no statistic": (
+        ["instrument=all", "instrument.stats=[]"],
+        "instrument.stats=[]: must be a non-empty list of statistics from ['mean', 'std', ",
+    ),
+    "where not strings": (
+        ["instrument=all", "instrument.where=[1,2]"],
+        "instrument.where=[1, 2]: must be null (every submodule), a path pattern or a list",
+    ),
+    "where empty": (["instrument=all", "instrument.where=[]"], "instrument.where=[]: must be"),
+    "where a mapping": (["instrument=all", "instrument.where={a: 1}"], "instrument.where={'a': 1}"),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "overrides, message", BAD_INSTRUMENT_VALUES.values(), ids=list(BAD_INSTRUMENT_VALUES)
+)
+def test_bad_instrument_value_names_key_and_value(overrides, message):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(InstantiationException) as info:
+        instantiate(cfg.instrument)
+    assert message in str(info.value)
+    assert isinstance(info.value.__cause__, ValueError)
+
+
+@pytest.mark.fast
+def test_instrument_where_that_selects_nothing_names_the_key():
+    inst = compose_instrumentation("instrument=all", "instrument.where=[layer,'layer[*']")
+    match = re.escape("instrument.where=['layer', 'layer[*']: ")
+    with pytest.raises(ValueError, match=match) as info:
+        inst(_net())
+    assert "['layers[0]', 'layers[1]']" in str(info.value)  # what there is to select
+
+
+# Values of the wrong type are Hydra's own errors, at composition.
+INSTRUMENT_TYPE_ERRORS = {
+    "instrument.grads=abc": ("instrument.grads=abc", "abc"),
+    "instrument.enabled=abc": ("instrument.enabled=abc", "abc"),
+    "instrument.stats=rms": ("instrument.stats=rms", "full_key: instrument.stats"),  # a list
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(
+    "override, value", INSTRUMENT_TYPE_ERRORS.values(), ids=list(INSTRUMENT_TYPE_ERRORS)
+)
+def test_instrument_wrong_type_is_hydras_error(override, value):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(override)
+    assert override in str(info.value)
+    assert value in str(info.value.__cause__)
+
+
+# --------------------------------------------------------------------------------------------
 # Real command-line runs of examples/train.py
 # --------------------------------------------------------------------------------------------
 
@@ -670,6 +836,20 @@ def test_plot_cli_draws_the_default_run(train_run, tmp_path):
     image = matplotlib.image.imread(out)
     assert image.shape[0] > 200 and image.shape[1] > 400
     assert image[..., :3].std() > 0.05  # not a blank canvas
+
+
+@pytest.mark.fast
+def test_plot_key_patterns_take_brackets_literally_too():
+    from eqx_logs._plot import key_matches
+
+    assert key_matches("layers[0]/rms", "layers[0]/*")  # brackets as themselves
+    assert key_matches("layers[0]/grad/rms", "layers[0]/*")  # `*` crosses `/`
+    assert not key_matches("layers[1]/rms", "layers[0]/*")
+    assert key_matches("layers[1]/rms", "layers[?]/rms")
+    assert key_matches("layers1/rms", "layers[01]/rms")  # and as fnmatch, a character class
+    assert key_matches("layers[0]/rms", "layers*")
+    assert key_matches("loss", "loss") and not key_matches("loss2", "loss")
+    assert not key_matches("layers[0]/rms", "layers[0]")
 
 
 def test_plot_cli_says_what_is_missing(tmp_path):

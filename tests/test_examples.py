@@ -1,13 +1,17 @@
-"""The examples without Hydra run and print what they promise (examples/train.py, the Hydra
-example, is tested by test_config.py)."""
+"""The examples run and print what they promise: those without Hydra, examples/instrument.py
+against a training loop written out in numpy, and examples/train.py's `instrument` group and
+`logging.first_nonfinite` (the rest of the Hydra example is tested by test_config.py)."""
 
+import importlib.util
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -96,3 +100,340 @@ def test_distributed_example_one_process_and_two(tmp_path):
     assert [(r["key"], r.get("step")) for r in two] == [(r["key"], r.get("step")) for r in one]
     for a, b in zip(one, two):
         np.testing.assert_allclose(a["value"], b["value"], rtol=1e-5)
+
+
+# --------------------------------------------------------------------------------------------
+# eqx_logs.instrument in the examples, checked against an MLP trained by SGD written out in
+# float32 numpy (forward pass, backward pass and update by hand; no JAX, no eqx_logs)
+# --------------------------------------------------------------------------------------------
+
+
+def _load_example(name: str):
+    path = ROOT / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"eqx_logs_example_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _numpy_sgd(model, x, y, act, dact, lrs):
+    """SGD on `model` (an MLP of `Dense` layers `z = h @ W.T + b`, `act` between them, the
+    mean squared error of the last layer's column 0 against `y`), one step per learning rate
+    in `lrs`. Yields, before each update, `(zs, dzs, loss)`: each layer's output and its
+    cotangent (the gradient of the loss with respect to it), and the loss."""
+    ws = [np.asarray(layer.weight, np.float32) for layer in model.layers]
+    bs = [np.asarray(layer.bias, np.float32) for layer in model.layers]
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    n = len(ws)
+    with np.errstate(all="ignore"):  # the instrument example overflows on purpose
+        for lr in lrs:
+            hs, zs, h = [], [], x
+            for i, (w, b) in enumerate(zip(ws, bs)):
+                hs.append(h)
+                zs.append(h @ w.T + b)
+                h = act(zs[-1]) if i < n - 1 else zs[-1]
+            err = zs[-1][:, 0] - y
+            dzs = [None] * n
+            dz = (np.float32(2) * err / np.float32(len(y)))[:, None]
+            for i in reversed(range(n)):
+                dzs[i] = dz
+                if i:
+                    dz = (dz @ ws[i]) * dact(zs[i - 1])
+            yield zs, dzs, np.mean(err * err)
+            lr = np.float32(lr)
+            for i in range(n):
+                ws[i] = ws[i] - lr * (dzs[i].T @ hs[i])
+                bs[i] = bs[i] - lr * dzs[i].sum(0)
+
+
+def _np_stats(a: np.ndarray) -> dict[str, float]:
+    """What `eqx_logs.instrument` logs, by numpy (in float64)."""
+    a64 = a.astype(np.float64)
+    return {
+        "mean": a64.mean(),
+        "std": a64.std(),
+        "rms": np.sqrt(np.mean(a64 * a64)),
+        "absmax": np.abs(a64).max(),
+        "min": a64.min(),
+        "max": a64.max(),
+        "norm": np.sqrt(np.sum(a64 * a64)),
+        "nonfinite": int(np.sum(~np.isfinite(a))),
+    }
+
+
+def test_instrument_example_names_the_first_nonfinite_layer():
+    ex = _load_example("instrument")
+    out = _run("instrument.py")
+
+    # the replay: the events with a NaN or inf, in execution order (each step: every layer's
+    # output, every layer's cotangent from the last layer down, then the loss, logged after)
+    model, x, y = ex.setup()
+    slope = np.float32(0.01)  # jax.nn.leaky_relu's default
+    lrs = [ex.PEAK_LR * min(1.0, (i + 1) / ex.WARMUP) for i in range(ex.STEPS)]
+    bad, absmax, nonfinite, losses = [], {}, {}, []
+    replay = _numpy_sgd(
+        model,
+        x,
+        y,
+        act=lambda z: np.where(z >= 0, z, slope * z),
+        dact=lambda z: np.where(z >= 0, np.float32(1), slope),
+        lrs=lrs,
+    )
+    for step, (zs, dzs, loss) in enumerate(replay):
+        n = len(zs)
+        losses.append(float(loss))
+        for i in range(n):
+            for name, a in ((f"layers[{i}]", zs[i]), (f"layers[{i}]/grad", dzs[i])):
+                absmax[name, step] = float(np.max(np.abs(a)))
+                nonfinite[name, step] = int(np.sum(~np.isfinite(a)))
+        order = [(f"layers[{i}]", False, zs[i]) for i in range(n)]
+        order += [(f"layers[{i}]", True, dzs[i]) for i in reversed(range(n))]
+        order += [("loss", False, loss)]
+        bad += [(step, name, back) for name, back, a in order if not np.all(np.isfinite(a))]
+    assert bad, "the replay never overflows"
+    step, layer, backward = bad[0]
+
+    # the report names the layer, the step and the pass that the replay finds first
+    what = "gradient (backward pass)" if backward else "output (forward pass)"
+    assert f"first non-finite: {layer} {what} at step {step}, key '{layer}" in out, out
+    m = re.search(
+        r"^first non-finite value: event (\d+) of key '([^']+)', loop iteration (\d+); in the "
+        r"(\w+) pass, logged at (.+):(\d+) ",
+        out,
+        re.M,
+    )
+    assert m, out
+    assert int(m[1]) == step and int(m[3]) == step
+    assert m[2] == f"{layer}{'/grad' if backward else ''}/absmax"
+    assert m[4] == ("backward" if backward else "forward")
+    site = pathlib.Path(m[5]).read_text().splitlines()[int(m[6]) - 1]
+    assert "layer(x)" in site  # the call of the layer in the model's __call__
+    # what the docstring says happens, so that it stays true
+    doc = " ".join(ex.__doc__.split())
+    assert "layers[1] overflows first, in the backward pass of step 28" in doc
+    assert (step, layer, backward) == (28, "layers[1]", True)
+    name = f"{layer}{'/grad' if backward else ''}"
+    size = len(x) * ex.SIZES[int(layer[len("layers[") : -1]) + 1]
+    assert f"\n{nonfinite[name, step]} of its {size} values are inf or NaN\n" in out, out
+    m = re.search(r"^loss: (\S+) at step 0, (\S+) at step (\d+), (\S+) at step (\d+)$", out, re.M)
+    assert m and (int(m[3]), int(m[5])) == (step - 1, step), out
+    np.testing.assert_allclose(
+        [float(m[1]), float(m[2]), float(m[4])], [losses[0], losses[step - 1], losses[step]], 1e-3
+    )
+
+    # the table: absmax of every layer's output, then gradient, over the steps before
+    lines = out.splitlines()
+    head = next(i for i, s in enumerate(lines) if s.startswith("absmax of each layer"))
+    steps = [int(s) for s in re.findall(r"step (\d+)", lines[head + 1])]
+    assert steps == list(range(step - ex.SHOW, step + 1))
+    rows = {}
+    for text in lines[head + 2 :]:
+        name, *values = text.replace("<- first non-finite", "").split()
+        rows[name] = [float(v) for v in values]
+    n = len(ex.SIZES) - 1
+    order = [f"layers[{i}]" for i in range(n)] + [f"layers[{i}]/grad" for i in range(n)][::-1]
+    assert list(rows) == order
+    for name, values in rows.items():
+        want = [absmax[name, s] for s in steps]
+        # printed with 3 significant digits (inf and nan exactly)
+        np.testing.assert_allclose(values, want, rtol=1e-2, err_msg=name)
+
+
+# examples/train.py with `instrument=...` (the Hydra command line, in a subprocess)
+
+TRAIN_STEPS, TRAIN_CHUNK, INTERVAL = 200, 100, 10  # INTERVAL: conf/logging/default.yaml
+STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # conf/instrument/all.yaml
+LAYERS = ("layers[0]", "layers[1]", "layers[2]")
+
+
+def _train(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+    """examples/train.py, 200 steps in chunks of 100, writing into `tmp_path/run`."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env.pop("HYDRA_FULL_ERROR", None)  # the message a user sees, not a traceback
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train.py"),
+            f"train.steps={TRAIN_STEPS}",
+            f"train.chunk={TRAIN_CHUNK}",
+            f"hydra.run.dir='{out}'",
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    return proc, out
+
+
+def _by_key(path: pathlib.Path) -> dict[str, list[dict]]:
+    from eqx_logs.loggers import read_jsonl
+
+    out: dict[str, list[dict]] = {}
+    for r in read_jsonl(path):
+        out.setdefault(r["key"], []).append(r)
+    return out
+
+
+def _value(v) -> float:
+    return float(v)  # JSONL writes NaN and infinities as the strings "nan", "inf", "-inf"
+
+
+def test_train_example_instrument_all(tmp_path):
+    proc, out = _train(tmp_path, "instrument=all")
+    assert proc.returncode == 0, proc.stderr
+    assert "instrumented: mean, std, rms, absmax, nonfinite of every submodule, gradients too" in (
+        proc.stdout
+    )
+    records = _by_key(out / "logs.jsonl")
+    keys = {f"{layer}{g}/{s}" for layer in LAYERS for g in ("", "/grad") for s in STATS}
+    assert keys <= set(records), sorted(keys - set(records))
+    assert set(records) - keys == {"loss", "grad/layer0", "grad/layer1", "grad/layer2"}
+
+    # every 10th event of each 100-step chunk: steps 0, 10, ..., 190 (they log no step)
+    steps = list(range(0, TRAIN_STEPS, INTERVAL))
+    values = {}
+    for key in keys:
+        assert len(records[key]) == len(steps), key
+        assert all("step" not in r for r in records[key]), key
+        values[key] = np.array([_value(r["value"]) for r in records[key]])
+        assert np.all(np.isfinite(values[key])), key
+    for layer in LAYERS:
+        for p in (layer, f"{layer}/grad"):
+            mean, std, rms = values[f"{p}/mean"], values[f"{p}/std"], values[f"{p}/rms"]
+            assert np.all(values[f"{p}/nonfinite"] == 0)
+            assert np.all(rms >= np.abs(mean) * (1 - 1e-6)), p
+            assert np.all(values[f"{p}/absmax"] >= rms * (1 - 1e-6)), p
+            np.testing.assert_allclose(std, np.sqrt(np.maximum(rms**2 - mean**2, 0)), rtol=1e-3)
+
+    # against the example's model trained by SGD in numpy: every statistic at every kept step
+    train = _load_example("train")
+    import jax
+
+    kdata, kmodel = jax.random.split(jax.random.key(0))  # conf/config.yaml: train.seed=0
+    x, y = train.dataset(kdata, 64)
+    model = train.MLP(32, kmodel)
+    replay = _numpy_sgd(
+        model,
+        x,
+        y,
+        act=np.tanh,
+        dact=lambda z: np.float32(1) - np.tanh(z) ** 2,
+        lrs=[0.05] * TRAIN_STEPS,
+    )
+    for step, (zs, dzs, _) in enumerate(replay):
+        if step % INTERVAL:
+            continue
+        for i, layer in enumerate(LAYERS):
+            for p, a in ((layer, zs[i]), (f"{layer}/grad", dzs[i])):
+                want = _np_stats(a)
+                scale = want["absmax"]
+                for stat in STATS:
+                    got = values[f"{p}/{stat}"][step // INTERVAL]
+                    np.testing.assert_allclose(
+                        got, want[stat], rtol=1e-4, atol=1e-5 * scale, err_msg=f"{p}/{stat} {step}"
+                    )
+
+    # the plot command finds them: brackets in -k match themselves
+    image = tmp_path / "layer0.png"
+    plot = subprocess.run(
+        [sys.executable, "-m", "eqx_logs", "plot", str(out), "-k", "layers[0]/*", "-o", str(image)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert plot.returncode == 0, plot.stderr
+    assert f"wrote {image}: 10 keys, 10 curves from 1 file(s)" in plot.stdout
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_train_example_first_nonfinite(tmp_path):
+    """`logging.first_nonfinite=true` with a learning rate that blows up: the report names the
+    first non-finite value of the run, which the JSONL file (every event: interval 1) shows."""
+    proc, out = _train(
+        tmp_path,
+        "instrument=all",
+        "logging.first_nonfinite=true",
+        "logging.interval=1",
+        "train.lr=20",
+    )
+    assert proc.returncode == 0, proc.stderr
+    m = re.search(
+        r"^step (\d+): first non-finite value: event (\d+) of key '([^']+)'(?:, step=(\d+))?, "
+        r"loop iteration (\d+); in the (\w+) pass, logged at (.+):(\d+) ",
+        proc.stdout,
+        re.M,
+    )
+    assert m, proc.stdout
+    step, key, backward = int(m[1]), m[3], m[6] == "backward"
+    assert int(m[5]) == step % TRAIN_CHUNK
+    records = _by_key(out / "logs.jsonl")
+
+    def at(k: str, s: int) -> float:
+        rows = records[k]
+        if "step" in rows[0]:
+            (row,) = [r for r in rows if r["step"] == s]
+            return _value(row["value"])
+        return _value(rows[s]["value"])  # every event, in order
+
+    assert not np.isfinite(at(key, step)), key
+    # the events of a step in execution order: each layer's output statistics, each layer's
+    # gradient statistics from the last layer down, then the loss with the gradient norms (one
+    # `log` call after `value_and_grad`)
+    events = [[f"{layer}/{s}" for s in STATS] for layer in LAYERS]
+    events += [[f"{layer}/grad/{s}" for s in STATS] for layer in LAYERS[::-1]]
+    events += [["loss", "grad/layer0", "grad/layer1", "grad/layer2"]]
+    index = next(i for i, keys in enumerate(events) if key in keys)
+    assert backward == ("/grad/" in key)
+    for s in range(step):
+        for k in sum(events, []):
+            assert np.isfinite(at(k, s)), (k, s)
+    for k in sum(events[:index], []):
+        assert np.isfinite(at(k, step)), (k, step)
+    if m[4] is not None:
+        assert int(m[4]) == step
+
+
+def test_train_example_healthy_run_reports_no_nonfinite(tmp_path):
+    proc, out = _train(tmp_path, "logging.first_nonfinite=true")
+    assert proc.returncode == 0, proc.stderr
+    assert "first non-finite value: none, every logged value is finite" in proc.stdout
+    assert "instrumented: off" in proc.stdout
+    records = _by_key(out / "logs.jsonl")  # written with logger.write, as logger.spool would
+    assert set(records) == {"loss", "grad/layer0", "grad/layer1", "grad/layer2"}
+    assert [r["step"] for r in records["loss"]] == list(range(0, TRAIN_STEPS, INTERVAL))
+
+
+BAD_INSTRUMENT = {
+    "unknown statistic": ("instrument.stats=[foo]", "instrument.stats=['foo']: unknown statistic"),
+    "no statistic": (
+        "instrument=all instrument.stats=[]",
+        "instrument.stats=[]: must be a non-empty list of statistics from ['mean', ",
+    ),
+    "where not strings": (
+        "instrument=all instrument.where=[1]",
+        "instrument.where=[1]: must be null (every submodule), a path pattern or a list of them",
+    ),
+    # found when the model is instrumented, in train.py's main: Hydra shows its traceback
+    "where selects nothing": (
+        "instrument=all instrument.where=[nope]",
+        "instrument.where=['nope']: eqx_logs.instrument(where=('nope',)) selects no submodule of "
+        "MLP; its submodules are ['layers[0]', 'layers[1]', 'layers[2]']",
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, message", BAD_INSTRUMENT.values(), ids=list(BAD_INSTRUMENT))
+def test_train_example_bad_instrument_value(tmp_path, overrides, message):
+    proc, out = _train(tmp_path, *overrides.split())
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert message in output, output
+    if "nope" not in overrides:  # a bad value of the config: Hydra's one-line message
+        assert "Traceback" not in output, output
+    assert not re.search(r"^loss ", proc.stdout, re.M)  # failed before training
+    assert not (out / "logs.jsonl").exists()
