@@ -7,7 +7,7 @@ import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
-from jaxtyping import Array, ArrayLike, Float, Int, PyTree
+from jaxtyping import Array, ArrayLike, PyTree
 
 from . import _compat
 from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
@@ -20,53 +20,36 @@ def _float(x: Array) -> Array:
     return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
-def _mean(x: Array) -> Float[Array, ""]:
-    return jnp.mean(_float(x))
+# The statistics, each a scalar over all of an array; `nonfinite` counts its NaN and infinite
+# elements.
+STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
-def _std(x: Array) -> Float[Array, ""]:
-    return jnp.std(_float(x))  # two passes: no cancellation where the mean dwarfs the spread
-
-
-def _rms(x: Array) -> Float[Array, ""]:
+def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
+    """The statistics `stats` of all of `x`, in at least float32. Those built on sums are
+    taken of `x / absmax` and scaled back, so that a finite array has finite statistics (the
+    squares of values past 1.8e19 overflow float32): only a NaN or an infinity in `x` makes
+    them non-finite, and `first_nonfinite` finds the value, not its statistic."""
+    inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
-    return jnp.sqrt(jnp.mean(x * x))
+    absmax = jnp.max(jnp.abs(x))
+    finite = jnp.logical_and(jnp.isfinite(absmax), absmax > 0)
+    scale = jnp.where(finite, absmax, jnp.ones_like(absmax))
+    y = x / scale
+    values: dict[str, Callable[[], Array]] = {
+        "mean": lambda: scale * jnp.mean(y),
+        "std": lambda: scale * jnp.std(y),  # two passes: no cancellation
+        "rms": lambda: scale * jnp.sqrt(jnp.mean(y * y)),
+        "norm": lambda: scale * jnp.sqrt(jnp.sum(y * y)),
+        "absmax": lambda: absmax,
+        "min": lambda: jnp.min(x),
+        "max": lambda: jnp.max(x),
+        "nonfinite": lambda: (
+            jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if inexact else jnp.zeros((), jnp.int32)
+        ),
+    }
+    return [values[name]() for name in stats]
 
-
-def _norm(x: Array) -> Float[Array, ""]:
-    x = _float(x)
-    return jnp.sqrt(jnp.sum(x * x))
-
-
-def _absmax(x: Array) -> Float[Array, ""]:
-    return jnp.max(jnp.abs(_float(x)))
-
-
-def _min(x: Array) -> Float[Array, ""]:
-    return jnp.min(_float(x))
-
-
-def _max(x: Array) -> Float[Array, ""]:
-    return jnp.max(_float(x))
-
-
-def _nonfinite(x: Array) -> Int[Array, ""]:
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return jnp.zeros((), jnp.int32)
-    return jnp.sum(~jnp.isfinite(x), dtype=jnp.int32)
-
-
-# name -> statistic of one array (a scalar); `nonfinite` counts the NaN and infinite elements
-STATS: dict[str, Callable[[Array], Array]] = {
-    "mean": _mean,
-    "std": _std,
-    "rms": _rms,
-    "absmax": _absmax,
-    "min": _min,
-    "max": _max,
-    "norm": _norm,
-    "nonfinite": _nonfinite,
-}
 
 DEFAULT_STATS = ("mean", "std", "rms", "absmax", "nonfinite")
 
@@ -90,10 +73,6 @@ def path_name(path: Sequence[Any]) -> str:
     """A pytree path as `jax.tree_util.keystr` writes it, without the leading dot:
     `layers[0].weight`, `['w']`."""
     return jtu.keystr(tuple(path)).removeprefix(".")
-
-
-def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
-    return [STATS[name](x) for name in stats]
 
 
 # The statistics of one array, over all of it: under `jax.vmap`, over every lane at once (its

@@ -499,6 +499,12 @@ def tap_with(
     `every_process`, events of a program over many processes' devices reach every process
     (`_compat.host_callback`)."""
 
+    if policy.first_nonfinite:
+        raise ValueError(
+            "tap(policy=Policy(first_nonfinite=True)): tap streams each event to the host as it "
+            "happens and does not look for non-finite values; use `eqx_logs.spool(..., "
+            "first_nonfinite=True)` (or `logger.spool`), or check the values in the callback."
+        )
     return eqx.module_update_wrapper(_Tapped(fun, policy, sink, context, every_process))
 
 

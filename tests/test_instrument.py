@@ -11,6 +11,7 @@ from helpers import assert_close
 from jax import lax
 
 import eqx_logs
+import eqx_logs.loggers
 
 pytestmark = pytest.mark.fast  # in `make test-fast`
 
@@ -628,3 +629,40 @@ def test_first_nonfinite_inside_a_shard_map_is_refused():
         eqx_logs.spool(f, first_nonfinite=True)(jnp.ones(2))
     _, logs = eqx_logs.spool(f)(jnp.ones(2))  # without it, as before
     assert_close(logs["x"], [[[1.0, 1.0]]])
+
+
+def test_statistics_of_huge_finite_values_stay_finite():
+    x = jnp.array([3e20, -1e20, 2e20, 0.0], jnp.float32)  # squares overflow float32
+
+    def f(x):
+        eqx_logs.log_stats("x", x, stats=ALL)
+        eqx_logs.log_stats("zero", jnp.zeros(3), stats=("mean", "std", "rms", "norm"))
+        eqx_logs.log_stats("inf", x.at[1].set(jnp.inf), stats=("mean", "rms"))
+        return 0
+
+    _, logs = eqx_logs.spool(f, first_nonfinite=True)(x)
+    for stat, want in np_stats(np.asarray(x, np.float64)).items():
+        np.testing.assert_allclose(logs[f"x/{stat}"], [want], rtol=1e-5, err_msg=stat)
+    for stat in ("mean", "std", "rms", "norm"):
+        assert float(logs[f"zero/{stat}"][0]) == 0.0
+    assert not np.isfinite(logs["inf/rms"][0]) and not np.isfinite(logs["inf/mean"][0])
+    assert logs.first_nonfinite.key == "inf/mean"  # not the huge finite values
+
+
+def test_tap_refuses_and_logger_spool_warns_with_first_nonfinite(tmp_path):
+    def f(x):
+        eqx_logs.log("y", jnp.log(x))
+        return x
+
+    with pytest.raises(ValueError, match=r"tap streams each event .* first_nonfinite=True"):
+        eqx_logs.tap(f, policy=eqx_logs.Policy(first_nonfinite=True))
+    logger = eqx_logs.loggers.JsonlLogger(str(tmp_path / "logs.jsonl"))
+    with logger:
+        state = logger.init(0)
+        logger.spool(f, state, first_nonfinite=True)(jnp.array([1.0, 2.0]))
+        logger.flush()
+        with pytest.warns(eqx_logs.loggers.NonfiniteWarning, match=r"event 0 of key 'y'"):
+            logger.spool(f, state, first_nonfinite=True)(jnp.array([1.0, -2.0]))
+            logger.flush()
+    rows = eqx_logs.loggers.read_jsonl(str(tmp_path / "logs.jsonl"))
+    assert len(rows) == 2  # both calls written

@@ -4,6 +4,7 @@ from ._array import ArrayLogger as ArrayLogger, read_arrays as read_arrays
 from ._base import (
     AbstractLogger as AbstractLogger,
     LoggerState as LoggerState,
+    NonfiniteWarning as NonfiniteWarning,
     records as records,
     safe_name as safe_name,
     unique_name as unique_name,

@@ -201,6 +201,11 @@ def _run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
     return key.astype(jnp.int32)
 
 
+class NonfiniteWarning(RuntimeWarning):
+    """A spooled call's logs held a NaN or an infinity (`first_nonfinite=True`): the message
+    names the first such event."""
+
+
 class AbstractLogger(eqx.Module):
     """Writes logs to a backend. Loggers are Equinox modules.
 
@@ -272,9 +277,12 @@ class AbstractLogger(eqx.Module):
         keep: bool = False,
         key: PRNGKeyArray | None = None,
         across: str | tuple[str, ...] | None = None,
+        first_nonfinite: bool | None = None,
     ) -> Callable[..., _T]:
         """`fun`, spooled as by `eqx_logs.spool` (same options); the logs are written to
-        `state`'s run when the call completes, and `fun`'s output is returned."""
+        `state`'s run when the call completes, and `fun`'s output is returned. With
+        `first_nonfinite`, a call whose logs hold a NaN or infinity warns
+        (`eqx_logs.loggers.NonfiniteWarning`) with the first such event."""
         policy = with_options(
             policy,
             "logger.spool",
@@ -286,6 +294,7 @@ class AbstractLogger(eqx.Module):
             prefix=prefix,
             key=key,
             across=across,
+            first_nonfinite=first_nonfinite,
         )
         return eqx.module_update_wrapper(
             _LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state)
@@ -343,6 +352,10 @@ class AbstractLogger(eqx.Module):
 
     def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
         self._submit(int(state.run), list(records(logs)))
+        if logs._nonfinite is not None and (event := logs.first_nonfinite) is not None:
+            warnings.warn(
+                f"{type(self).__name__} (run {int(state.run)}): {event}", NonfiniteWarning
+            )
         self._check()
 
     def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
