@@ -1,11 +1,12 @@
 """Statistics of arrays, reduced on device: `log_stats`, and what `instrument` logs."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
@@ -26,29 +27,57 @@ STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
 def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
-    """The statistics `stats` of all of `x`, in at least float32. Those built on sums are
-    taken of `x / absmax` and scaled back, so that a finite array has finite statistics (the
-    squares of values past 1.8e19 overflow float32): only a NaN or an infinity in `x` makes
-    them non-finite, and `first_nonfinite` finds the value, not its statistic."""
+    """The statistics `stats` of all of `x`, in at least float32, in as few passes over `x`
+    as a CPU makes (it runs each reduction as a loop of its own): its sum, its sum of squares
+    and its largest magnitude, and only where those cannot serve, more.
+
+    - A finite array has finite statistics: where the sum of squares could overflow (values
+      past about 1e16), those built on sums are taken of `x / absmax` and scaled back; only a
+      NaN or an infinity in `x` makes them non-finite, so `first_nonfinite` finds the value,
+      not its statistic.
+    - `std` from the two sums, unless the mean dwarfs the spread (then in two passes).
+    - `nonfinite` is 0 where the largest magnitude is finite, and counted only where not.
+    """
+    need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
+    n, limit = x.size, float(np.sqrt(np.finfo(x.dtype).max / max(x.size, 1)) / 2)
     absmax = jnp.max(jnp.abs(x))
-    finite = jnp.logical_and(jnp.isfinite(absmax), absmax > 0)
-    scale = jnp.where(finite, absmax, jnp.ones_like(absmax))
-    y = x / scale
-    values: dict[str, Callable[[], Array]] = {
-        "mean": lambda: scale * jnp.mean(y),
-        "std": lambda: scale * jnp.std(y),  # two passes: no cancellation
-        "rms": lambda: scale * jnp.sqrt(jnp.mean(y * y)),
-        "norm": lambda: scale * jnp.sqrt(jnp.sum(y * y)),
-        "absmax": lambda: absmax,
-        "min": lambda: jnp.min(x),
-        "max": lambda: jnp.max(x),
-        "nonfinite": lambda: (
-            jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if inexact else jnp.zeros((), jnp.int32)
-        ),
-    }
-    return [values[name]() for name in stats]
+    finite = jnp.isfinite(absmax)
+    out: dict[str, Array] = {"absmax": absmax}
+    if need & {"mean", "std", "rms", "norm"}:
+
+        def moments(x, scale):
+            y = x / scale
+            mean = jnp.sum(y) / n if need & {"mean", "std"} else jnp.zeros((), x.dtype)
+            square = jnp.sum(y * y) / n if need & {"std", "rms", "norm"} else mean
+            var = jnp.maximum(square - mean * mean, 0)
+            if "std" in need:  # cancellation: the two-pass variance
+                var = lax.cond(
+                    var < 1e-3 * square, lambda: jnp.mean(jnp.square(y - mean)), lambda: var
+                )
+            return [scale * mean, scale * jnp.sqrt(var), scale * jnp.sqrt(square)]
+
+        scale = jnp.where(jnp.logical_and(finite, absmax > 0), absmax, jnp.ones_like(absmax))
+        one = jnp.ones_like(absmax)
+        mean, std, rms = lax.cond(
+            jnp.logical_and(finite, absmax <= limit),
+            lambda: moments(x, one),
+            lambda: moments(x, scale),
+        )
+        out.update(mean=mean, std=std, rms=rms, norm=rms * np.sqrt(n))
+    if "min" in need:
+        out["min"] = jnp.min(x)
+    if "max" in need:
+        out["max"] = jnp.max(x)
+    if "nonfinite" in need:
+        zero = jnp.zeros((), jnp.int32)
+        out["nonfinite"] = (
+            lax.cond(finite, lambda: zero, lambda: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
+            if inexact
+            else zero
+        )
+    return [out[name] for name in stats]
 
 
 DEFAULT_STATS = ("mean", "std", "rms", "absmax", "nonfinite")

@@ -648,6 +648,13 @@ def test_statistics_of_huge_finite_values_stay_finite():
     assert not np.isfinite(logs["inf/rms"][0]) and not np.isfinite(logs["inf/mean"][0])
     assert logs.first_nonfinite.key == "inf/mean"  # not the huge finite values
 
+    # a mean that dwarfs the spread: the variance in two passes, not from the two sums
+    y = 1e4 + jax.random.normal(jax.random.key(0), (1000,)) * 1e-2
+    _, logs = eqx_logs.spool(lambda y: eqx_logs.log_stats("y", y, stats=("std", "mean")))(y)
+    want = np_stats(np.asarray(y, np.float64), ("std", "mean"))
+    np.testing.assert_allclose(logs["y/std"], [want["std"]], rtol=2e-2)
+    np.testing.assert_allclose(logs["y/mean"], [want["mean"]], rtol=1e-6)
+
 
 def test_tap_refuses_and_logger_spool_warns_with_first_nonfinite(tmp_path):
     def f(x):
