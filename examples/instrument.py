@@ -19,11 +19,10 @@ flowing into layers[1] overflows first, in the backward pass of step 28, while e
 output is still finite (the loss overflows in that step too, but is logged after the backward
 pass).
 
-The statistics are absmax (the largest |value|) and nonfinite (how many elements are NaN or
-infinite): both are exact for any finite array, so an event is non-finite exactly when the
-layer's output (or cotangent) is. (rms, std, norm and mean of a finite array can overflow
-float32 on their own, from about 1e19: the report would name that statistic's layer before
-any value is infinite.)
+The statistics shown are absmax (the largest |value|) and nonfinite (how many elements are NaN
+or infinite). Any statistic would do for the report: those built on sums (mean, std, rms,
+norm) are computed on `x / absmax` where squares would overflow, so a finite array has finite
+statistics and an event is non-finite exactly when the layer's output (or cotangent) is.
 """
 
 import equinox as eqx
