@@ -42,6 +42,7 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_interval.py
 	.venv/bin/python benchmarks/bench_compile.py
 	.venv/bin/python benchmarks/bench_devices.py
+	.venv/bin/python benchmarks/bench_instrument.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs tests examples benchmarks
