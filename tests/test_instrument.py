@@ -13,7 +13,7 @@ from jax import lax
 import eqx_logs
 import eqx_logs.loggers
 
-pytestmark = pytest.mark.fast  # in `make test-fast`
+fast = pytest.mark.fast  # in `make test-fast`: the quicker half
 
 ALL = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
@@ -52,6 +52,7 @@ def hand_activations(model: eqx.nn.MLP, x):
 # -- log_stats --------------------------------------------------------------------------
 
 
+@fast
 def test_log_stats_against_numpy():
     tree = {
         "w": jax.random.normal(jax.random.key(0), (3, 4)) * 3 + 1,
@@ -75,6 +76,7 @@ def test_log_stats_against_numpy():
     assert np.isnan(logs["grad/['b']/mean"][0])
 
 
+@fast
 def test_log_stats_of_a_model_and_a_lone_array_and_scope():
     model = mlp()
 
@@ -92,6 +94,7 @@ def test_log_stats_of_a_model_and_a_lone_array_and_scope():
         assert int(logs.step[f"s/params/layers[{i}].bias/norm"][0]) == 3
 
 
+@fast
 def test_log_stats_under_vmap_is_over_all_lanes():
     xs = jax.random.normal(jax.random.key(5), (6, 3))
 
@@ -114,6 +117,7 @@ def test_log_stats_under_vmap_is_over_all_lanes():
     assert_close(logs["x/norm"], [np.linalg.norm(np.asarray(xs))])
 
 
+@fast
 def test_log_stats_errors_and_nothing_outside_a_spool():
     with pytest.raises(ValueError, match=r"unknown statistic\(s\) \['median'\].*choose from"):
         eqx_logs.log_stats("g", jnp.ones(2), stats=("mean", "median"))
@@ -185,6 +189,7 @@ def test_instrument_cotangent_stats_match_vjp_by_hand():
         assert_close(g, w)
 
 
+@fast
 def test_instrument_outside_a_spool_is_the_original_program():
     model = mlp()
     im = eqx_logs.instrument(model, grads=True)
@@ -203,6 +208,7 @@ def test_instrument_outside_a_spool_is_the_original_program():
     assert all(isinstance(a, type(b)) for a, b in zip(im.layers, model.layers))
 
 
+@fast
 def test_instrument_reads_through_and_where():
     model = mlp(depth=3)
     im = eqx_logs.instrument(model, where="layers[1]")
@@ -495,6 +501,7 @@ def test_first_nonfinite_none_when_finite_and_counts_interval_skipped_events():
         train(net, 2).first_nonfinite
 
 
+@fast
 def test_first_nonfinite_steps_lanes_and_straight_line_order():
     def f(xs):
         eqx_logs.log("before", jnp.ones(2))
@@ -533,6 +540,7 @@ class Sown(eqx.Module):
         return x
 
 
+@fast
 def test_plant_matches_the_model_edited_by_hand():
     keys = jax.random.split(jax.random.key(0), 3)
     model = Sown([eqx.nn.Linear(4, 4, key=k) for k in keys])
@@ -589,6 +597,7 @@ def test_plant_per_event_in_loops_and_replay_under_vmap():
     assert_close(eqx_logs.plant(batched, logs)(jnp.zeros((3, 4))), batched(xs))
 
 
+@fast
 def test_plant_errors():
     def f(x):
         eqx_logs.log("logged", x)
@@ -614,6 +623,7 @@ def test_plant_errors():
     assert len(jax.make_jaxpr(lambda x: eqx_logs.sow("h", x))(1.0).eqns) == 0
 
 
+@fast
 def test_first_nonfinite_inside_a_shard_map_is_refused():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
     P = jax.sharding.PartitionSpec
@@ -631,6 +641,7 @@ def test_first_nonfinite_inside_a_shard_map_is_refused():
     assert_close(logs["x"], [[[1.0, 1.0]]])
 
 
+@fast
 def test_statistics_of_huge_finite_values_stay_finite():
     x = jnp.array([3e20, -1e20, 2e20, 0.0], jnp.float32)  # squares overflow float32
 
