@@ -91,7 +91,9 @@ class Policy(eqx.Module):
     - `tags`: None keeps all events; otherwise only events carrying one of these tags.
     - `exclude`: drop events carrying any of these tags.
     - `rules`: a dict from a key pattern (`fnmatch`, e.g. `"grad/*"`) to a reduction, or to
-        `"drop"` to remove matching keys; the first matching pattern wins.
+        `"drop"` to remove matching keys; the first matching pattern wins. In `fnmatch`, `[`
+        starts a character class: for `instrument`'s keys (`"layers[0]/rms"`) write
+        `"layers*/rms"`, or `"layers[[]0]/rms"` for a literal bracket.
     - `prefix`: prepended to every output key.
     - `key`: a `jax.random.key` for reductions that sample (`Sample`).
     - `across`: names of manual mesh axes (`jax.shard_map`, `jax.pmap`) or of `jax.vmap`
