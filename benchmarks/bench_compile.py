@@ -714,17 +714,7 @@ def main() -> int:
     if "eager" in rows:
         bench_eager(eager_repeats, calls, misses)
 
-    print()
-    if misses:
-        print(f"{len(misses)} MISS: " + "; ".join(misses))
-    else:
-        print("all targets met")
-    print(f"total time {time.perf_counter() - t_start:.1f} s")
-    if errors:
-        for msg in errors:
-            print(f"ERROR: {msg}", file=sys.stderr)
-        return 1
-    return 0
+    return bench_core.report_end(misses, errors, t_start)
 
 
 if __name__ == "__main__":

@@ -110,6 +110,20 @@ def paired_ratio(num: list[float], den: list[float]) -> float:
     return statistics.median(a / b for a, b in zip(num, den))
 
 
+def report_end(misses: list[str], errors: list[str], started: float) -> int:
+    """Print the verdict of a benchmark report; its exit code: 1 only if `errors` (the
+    compared programs disagree, so the timings compare different work)."""
+    print()
+    if misses:
+        print(f"{len(misses)} MISS: " + "; ".join(misses))
+    else:
+        print("all targets met")
+    print(f"total time {time.perf_counter() - started:.1f} s")
+    for msg in errors:
+        print(f"ERROR: {msg}", file=sys.stderr)
+    return 1 if errors else 0
+
+
 def hlo_instruction_count(compiled_text: str) -> int:
     return sum(" = " in line for line in compiled_text.splitlines())
 

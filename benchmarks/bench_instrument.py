@@ -314,17 +314,7 @@ def main() -> int:
         for name, ok in (("[1] memory temp + output", mem_ok), ("[2] runtime", run_ok))
         if not ok
     ]
-    print()
-    if misses:
-        print(f"{len(misses)} MISS: " + "; ".join(misses))
-    else:
-        print("all targets met")
-    print(f"total time {time.perf_counter() - t_start:.1f} s")
-    if errors:
-        for msg in errors:
-            print(f"ERROR: {msg}", file=sys.stderr)
-        return 1
-    return 0
+    return bench_core.report_end(misses, errors, t_start)
 
 
 if __name__ == "__main__":
