@@ -398,6 +398,11 @@ def is_traced(tree: Any) -> bool:
     return any(is_tracer(x) for x in _tree_leaves(tree))
 
 
+def tracing() -> bool:
+    """Whether any JAX transform is tracing (`jit`, `grad`, `vmap`, ...), not eager code."""
+    return not isinstance(_core.trace_ctx.trace, _core.EvalTrace)
+
+
 def staging() -> bool:
     """Whether the current trace builds a jaxpr (`jax.jit`, `make_jaxpr`, a loop body), rather
     than differentiating, batching or running the operations bound in it."""

@@ -339,6 +339,7 @@ class Interpreter:
         self._mesh_object: Any = None  # the mesh of the shard_map being counted
         self._first: _FirstNonfinite | None = None  # `Policy.first_nonfinite`, while running
         self._depth = 0  # loops around the equation being evaluated (`loop`)
+        self._iteration_events: dict[str, int] = {}  # key -> most events in one loop iteration
 
     @contextlib.contextmanager
     def manual(self, axes: tuple[tuple[str, int], ...], check_vma: bool = False, mesh=None):
@@ -1060,10 +1061,27 @@ class Interpreter:
             nbatch, batch = nbatch - 1, rest
         return state, batch
 
+    def note_iteration(self, counts: Counts) -> None:
+        """Record the events per key of one iteration of a loop body (`_scan_count`)."""
+        for key, n in counts.items():
+            if n is not None:
+                self._iteration_events[key] = max(self._iteration_events.get(key, 0), n)
+
     def _init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]
-        if bound is not None:
-            bound = -(-bound // self.policy.interval)  # a ceiling that stays symbolic
+        period = self.policy.interval
+        if bound is not None and period > 1:
+            kept = -(-bound // period)  # a ceiling that stays symbolic
+            if INTERVAL_STEP in info.steps:
+                # kept where the logged step is a multiple of k: the events that share a step
+                # (those of one loop iteration, or of the whole call outside loops) are all kept
+                # or all not, so up to that many per kept step (consecutive step values)
+                shared = self._iteration_events.get(key, bound)
+                if isinstance(shared, int) and isinstance(bound, int):
+                    kept = min(bound, shared * kept)
+                elif not (isinstance(shared, int) and shared == 1):
+                    kept = bound  # symbolic sizes (`jax.export`) that cannot be compared
+            bound = kept
         self._bounds[key] = bound
         # counters are numpy values while they are known at trace time: straight-line events
         # are counted (and selected by `interval`) without an operation

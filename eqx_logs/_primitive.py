@@ -224,35 +224,84 @@ def _scopes() -> list[str]:
 
 
 @contextlib.contextmanager
-def scope(name: str) -> Iterator[None]:
-    """Prefix every key logged inside the block with `name/`. Scopes nest.
+def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None]:
+    """Prefix every key logged inside the block with `name/`, and record `steps` with every
+    event inside it. Scopes nest.
 
     **Arguments:**
 
-    - `name`: a non-empty string without leading or trailing `/`.
+    - `name`: a non-empty string without leading or trailing `/`; or None for no prefix.
+    - `**steps`: integer scalars recorded beside every event logged inside the block (as
+        `log(..., step=i)` does), also those of `instrument`, `log_stats`, `sow` and the
+        backward pass of `log_grad` traced inside it; a step the `log` call names itself
+        wins. Enter it where the step is a traced value (inside the jitted training step,
+        around the model's call): a Python number would be a constant of the compiled program.
 
     !!! example
 
         ```python
         with eqx_logs.scope("encoder"):
             eqx_logs.log("norm", x)  # logged as "encoder/norm"
+
+        with eqx_logs.scope(step=i):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(instrumented_model, x)
         ```
 
     The prefix is applied when `log` is called (when the function is traced), so it is the
     same on every retrace: no counters are involved.
     """
-    if not isinstance(name, str) or not name or name.strip("/") != name:
+    site = _call_site()
+    if name is not None and (not isinstance(name, str) or not name or name.strip("/") != name):
         raise ValueError(
-            f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/', "
-            f"got {name!r}."
+            f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/' "
+            f"(or None), got {name!r}."
         )
-    stack = _scopes()
-    stack.append(name)
+    checked = {n: _check_step(n, v, site) for n, v in steps.items()}
+    if checked and not _compat.tracing():
+        raise ValueError(
+            f"eqx_logs.scope({', '.join(f'{n}=...' for n in steps)}) at {site} is entered "
+            "outside any jit or trace: its steps would be constants of the programs compiled "
+            "inside it, one program per value. Enter it inside the jitted function, with the "
+            "step as a traced argument (or log `step=` at each `log` call)."
+        )
+    prefixes, context = _scopes(), _context_steps()
+    if name is not None:
+        prefixes.append(name)
+    # in trace-cache keys: a traced value by identity (a jit traced inside this block is traced
+    # again inside the next, so it never holds an old trace's value), a number by value
+    key = tuple((n, _Traced() if _compat.is_tracer(v) else int(v)) for n, v in checked.items())
+    context.append((checked, key))
     try:
         with tracing_context():
             yield
     finally:
-        stack.pop()
+        context.pop()
+        if name is not None:
+            prefixes.pop()
+
+
+def _context_steps() -> list[tuple[dict[str, Any], tuple]]:
+    if not hasattr(_local, "steps"):
+        _local.steps = []
+    return _local.steps
+
+
+def current_steps() -> dict[str, Any]:
+    """The steps of the enclosing `scope` blocks (inner ones win)."""
+    merged: dict[str, Any] = {}
+    for steps, _ in _context_steps():
+        merged.update(steps)
+    return merged
+
+
+class _Traced:
+    """A traced step's place in a trace-cache key: equal only to itself."""
+
+    __slots__ = ()
+
+
+def _context_key() -> tuple:
+    return tuple(key for _, key in _context_steps() if key)
 
 
 def current_prefix() -> str:
@@ -272,7 +321,7 @@ def logging_as(
     scopes[:] = prefix.split("/") if prefix else []
     _local.rule = rule
     try:
-        with tracing_context(enabled=enabled):
+        with _no_context_steps(), tracing_context(enabled=enabled):
             yield
     finally:
         scopes[:] = saved
@@ -287,15 +336,23 @@ def tracing_context(enabled: bool | None = None) -> Iterator[None]:
         if enabled is not None:
             stack.enter_context(_compat.logging_enabled(enabled))
         if _compat.logging_enabled.value:
-            stack.enter_context(_compat.scope_prefix(current_prefix()))
+            context = _context_key()
+            prefix = (current_prefix(), context) if context else current_prefix()
+            stack.enter_context(_compat.scope_prefix(prefix))
         yield
 
 
+_contextlib_file = contextlib.__file__
+
+
 def _call_site() -> str:
+    """The user's file:line (function) that called into eqx_logs (a `with` statement, for
+    `scope`)."""
     frame = sys._getframe(1)
-    while frame is not None and os.path.dirname(
-        os.path.abspath(frame.f_code.co_filename)
-    ).startswith(_package_dir):
+    while frame is not None and (
+        frame.f_code.co_filename == _contextlib_file
+        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
+    ):
         frame = frame.f_back
     if frame is None:
         return "<unknown location>"
@@ -490,7 +547,9 @@ def bind(
     reduce: Any = None,
     site: str,
 ) -> None:
-    """Bind `log_p` for already-validated, already-scoped `items`."""
+    """Bind `log_p` for already-validated, already-scoped `items`, with the steps of the
+    enclosing `scope` blocks."""
+    steps = {**current_steps(), **steps}
     leaves, treedef = jtu.tree_flatten(items)
     names = tuple(sorted(steps))
     operands = [jnp.asarray(x) for x in leaves] + [jnp.asarray(steps[n]) for n in names]
@@ -516,24 +575,45 @@ def bind(
 BACKWARD_TAG = "backward"  # on the events logged in the backward pass
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def grad_tap(items_of: Callable[[Any], dict[str, Any]], site: str, x):
+def grad_tap(items_of: Callable[[Any], dict[str, Any]], site: str, x: Any) -> Any:
     """Identity on `x`; in the backward pass, logs `items_of(cotangent)` (tagged
-    `BACKWARD_TAG`). `items_of` must be hashable (JAX keys its traces on it)."""
+    `BACKWARD_TAG`), with the steps of the `scope` blocks around this call. `items_of` must be
+    hashable (JAX keys its traces on it)."""
+    return _grad_tap(items_of, site, x, current_steps())
+
+
+# The steps travel as residuals: JAX may trace the backward rule in a trace of its own (the
+# transpose of an inner jit), where the traced values of the enclosing scopes do not exist.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _grad_tap(items_of, site, x, steps):
     return x
 
 
-def _grad_tap_fwd(items_of, site, x):
-    return x, None
+def _grad_tap_fwd(items_of, site, x, steps):
+    return x, steps
 
 
-def _grad_tap_bwd(items_of, site, _, ct):
+def _grad_tap_bwd(items_of, site, steps, ct):
     if _compat.logging_enabled.value:
-        bind(items_of(ct), {}, tags=(BACKWARD_TAG,), site=site)
-    return (ct,)
+        with _no_context_steps():
+            bind(items_of(ct), steps, tags=(BACKWARD_TAG,), site=site)
+    zeros = jtu.tree_map(lambda s: np.zeros(np.shape(s), jax.dtypes.float0), steps)
+    return ct, zeros
 
 
-grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+_grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+
+
+@contextlib.contextmanager
+def _no_context_steps() -> Iterator[None]:
+    """Without the steps of the `scope` blocks around: in a function JAX traces apart (a
+    custom derivative rule), whose events carry what was captured where it was called."""
+    saved = list(_context_steps())
+    _context_steps().clear()
+    try:
+        yield
+    finally:
+        _context_steps()[:] = saved
 
 
 @dataclasses.dataclass(frozen=True)

@@ -301,7 +301,9 @@ register(_compat.HI_CALL, _hi_count, _hi_apply)
 def _scan_count(interp, eqn):
     body, _, _ = _compat.scan_parts(eqn)
     length = _compat.scan_options(eqn)["length"]
-    return {k: None if n is None else n * length for k, n in interp.count(body).items()}
+    per_iteration = interp.count(body)
+    interp.note_iteration(per_iteration)
+    return {k: None if n is None else n * length for k, n in per_iteration.items()}
 
 
 def _scan_apply(interp, eqn, invals, states):

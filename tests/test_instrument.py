@@ -457,8 +457,9 @@ def train(net, steps, **spool_options):
     @eqx.filter_jit
     def run(net):
         def body(net, t):
-            grads = eqx.filter_grad(lambda n: n(x, t))(net)
-            eqx_logs.log("loss", net(x, t), step=t)
+            with eqx_logs.scope(step=t):  # every event inside carries the step
+                grads = eqx.filter_grad(lambda n: n(x, t))(net)
+                eqx_logs.log("loss", net(x, t))
             net = jax.tree.map(lambda p, g: p - 1e-3 * g, net, grads)
             return net, None
 
@@ -482,7 +483,7 @@ def test_first_nonfinite_names_the_layer_step_and_pass(poison_at, step, backward
     assert event.iterations == (step,)  # the scan over training steps
     # the forward pass runs twice per step (under grad, then for the loss), backward once
     assert event.event == (step if backward else 2 * step)
-    assert event.steps == {}  # instrument logs no step values
+    assert event.steps == {"step": step}  # from the scope around the step
     assert event.site.endswith("(__call__)") and "test_instrument.py" in event.site
     assert f"layers[{poison_at}]" in str(event) and ("backward" in str(event)) is backward
     assert f"loop iteration {step}" in str(event)
@@ -493,10 +494,11 @@ def test_first_nonfinite_none_when_finite_and_counts_interval_skipped_events():
     logs = train(net, 5, first_nonfinite=True)
     assert logs.first_nonfinite is None
     net = eqx_logs.instrument(make_net(3, 2, 3, False), stats=("mean",))
-    logs = train(net, 5, first_nonfinite=True, interval=4)  # events 0, 4, 8 kept
+    logs = train(net, 5, first_nonfinite=True, interval=4)  # steps 0 and 4 kept
     event = logs.first_nonfinite
     assert (event.key, event.event, event.iterations) == ("layers[2]/mean", 6, (3,))
-    assert int(logs.count["layers[2]/mean"]) == 3
+    assert int(logs.count["layers[2]/mean"]) == 4  # two events at each kept step
+    np.testing.assert_array_equal(logs.step["layers[2]/mean"][:4], [0, 0, 4, 4])
     with pytest.raises(ValueError, match="first_nonfinite=True"):
         train(net, 2).first_nonfinite
 
@@ -684,3 +686,40 @@ def test_tap_refuses_and_logger_spool_warns_with_first_nonfinite(tmp_path):
             logger.flush()
     rows = eqx_logs.loggers.read_jsonl(str(tmp_path / "logs.jsonl"))
     assert len(rows) == 2  # both calls written
+
+
+def test_scope_steps_reach_every_event_through_inner_jits_and_backward_passes():
+    model = mlp(depth=1)
+    im = eqx_logs.instrument(model, stats=("mean",), grads=True)
+    inner = eqx.filter_jit(lambda m, x: m(x))  # traced once per scope, never reused across
+    xs = jax.random.normal(jax.random.key(6), (4, 3))
+
+    @eqx.filter_jit
+    def step(m, x, i):  # the per-step loop: one jitted call per step
+        def body(m):
+            with eqx_logs.scope("train", step=i):
+                loss, grads = eqx.filter_value_and_grad(lambda m: jnp.sum(inner(m, x)))(m)
+                eqx_logs.log("loss", loss)
+                eqx_logs.log("other", loss, step=100)  # a step named at the call wins
+            return loss
+
+        return eqx_logs.spool(body, interval=2)(m)
+
+    for i in range(4):
+        loss, logs = step(im, xs[i], i)
+        kept = i % 2 == 0  # interval=2 by the step, across calls
+        for key in ("train/loss", "train/layers[0]/mean", "train/layers[1]/grad/mean"):
+            assert int(logs.count[key]) == int(kept), (key, i)
+            if kept:
+                assert int(logs.step[key][0]) == i
+        assert int(logs.step["train/other"][0]) == 100
+        if kept:
+            assert_close(logs["train/loss"], [loss])
+            h = jax.vmap(lambda v: v)(model.layers[0](xs[i]))
+            assert_close(logs["train/layers[0]/mean"], [np.mean(np.asarray(h))])
+
+    with pytest.raises(
+        ValueError, match=r"scope\(step=...\) at .*test_instrument.py:\d+ .* outside"
+    ):
+        with eqx_logs.scope(step=3):
+            pass

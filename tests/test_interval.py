@@ -193,3 +193,36 @@ def test_optax_training_loop():
             np.testing.assert_allclose(kept[i], want, rtol=1e-5)
     assert sorted(kept) == [0, 10, 20]
     np.testing.assert_allclose(p1["w"], p2["w"], rtol=1e-6)
+
+
+def test_interval_by_step_keeps_every_event_of_a_kept_step():
+    # several events share a step (two sites per iteration, or one call of a per-step loop):
+    # all of them are kept where the step is a multiple of k, and the buffer holds them all
+    def f(xs):
+        def body(c, t):
+            el.log("a", t * 1.0, step=t)
+            el.log("a", t * 10.0, step=t)
+            return c, None
+
+        return lax.scan(body, 0, xs)[0]
+
+    _, logs = el.spool(f, interval=4)(jnp.arange(9))
+    n = int(logs.count["a"])
+    assert n == 6 and int(logs.rows["a"]) == 6
+    np.testing.assert_array_equal(logs["a"][:n], [0, 0, 4, 40, 8, 80])
+    np.testing.assert_array_equal(logs.step["a"][:n], [0, 0, 4, 4, 8, 8])
+
+    @jax.jit
+    def step(x, i):
+        def g(x):
+            el.log("b", x, step=i)
+            el.log("b", 2 * x, step=i)
+            return x
+
+        return el.spool(g, interval=2)(x)[1]
+
+    for i in range(3):
+        logs = step(jnp.float32(i), i)
+        assert int(logs.count["b"]) == (2 if i % 2 == 0 else 0)
+        if i % 2 == 0:
+            np.testing.assert_array_equal(logs["b"], [i, 2 * i])
