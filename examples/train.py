@@ -22,8 +22,8 @@ steps. With `train.stream=true`, `logger.tap` writes each selected event as it h
 
 `instrument=all` (conf/instrument/) applies `eqx_logs.instrument` to the model before training:
 every layer's output statistics are logged as `layers[<i>]/<stat>`, the gradient's as
-`layers[<i>]/grad/<stat>` (tagged "instrument"; they carry no `step`, so `logging.interval`
-counts them within each chunk). With `logging.first_nonfinite=true` each chunk's logs are
+`layers[<i>]/grad/<stat>` (tagged "instrument"; the step's `eqx_logs.scope(step=...)` gives
+them the step, as it does the loss, so `logging.interval` keeps them by step). With `logging.first_nonfinite=true` each chunk's logs are
 spooled here, then written with `logger.write`, and the first value with a NaN or an infinity
 is reported (key, step, pass, where it was logged).
 """
@@ -73,12 +73,13 @@ def train_chunk(model, logger, state, policy, stream, x, y, lr, start, num_steps
     params, static = eqx.partition(model, eqx.is_array)  # an instrumented model's arrays
 
     def step(params, i):
-        loss, grads = eqx.filter_value_and_grad(loss_fn)(eqx.combine(params, static), x, y)
-        norms = {
-            f"grad/layer{j}": jnp.sqrt(jnp.sum(layer.weight**2))
-            for j, layer in enumerate(grads.layers)
-        }
-        eqx_logs.log({"loss": loss, **norms}, tags="train", step=start + i)
+        with eqx_logs.scope(step=start + i):  # every event of the step, instrument's too
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(eqx.combine(params, static), x, y)
+            norms = {
+                f"grad/layer{j}": jnp.sqrt(jnp.sum(layer.weight**2))
+                for j, layer in enumerate(grads.layers)
+            }
+            eqx_logs.log({"loss": loss, **norms}, tags="train")
         params = jax.tree.map(lambda p, g: p - lr * g, params, eqx.filter(grads, eqx.is_array))
         return params, None
 

@@ -293,12 +293,12 @@ def test_train_example_instrument_all(tmp_path):
     assert keys <= set(records), sorted(keys - set(records))
     assert set(records) - keys == {"loss", "grad/layer0", "grad/layer1", "grad/layer2"}
 
-    # every 10th event of each 100-step chunk: steps 0, 10, ..., 190 (they log no step)
+    # every 10th step: 0, 10, ..., 190 (the step's scope gives them the step)
     steps = list(range(0, TRAIN_STEPS, INTERVAL))
     values = {}
     for key in keys:
         assert len(records[key]) == len(steps), key
-        assert all("step" not in r for r in records[key]), key
+        assert [r["step"] for r in records[key]] == steps, key
         values[key] = np.array([_value(r["value"]) for r in records[key]])
         assert np.all(np.isfinite(values[key])), key
     for layer in LAYERS:
