@@ -23,9 +23,10 @@ steps. With `train.stream=true`, `logger.tap` writes each selected event as it h
 `instrument=all` (conf/instrument/) applies `eqx_logs.instrument` to the model before training:
 every layer's output statistics are logged as `layers[<i>]/<stat>`, the gradient's as
 `layers[<i>]/grad/<stat>` (tagged "instrument"; the step's `eqx_logs.scope(step=...)` gives
-them the step, as it does the loss, so `logging.interval` keeps them by step). With `logging.first_nonfinite=true` each chunk's logs are
-spooled here, then written with `logger.write`, and the first value with a NaN or an infinity
-is reported (key, step, pass, where it was logged).
+them the step, as it does the loss, so `logging.interval` keeps them by step). With
+`logging.first_nonfinite=true` each chunk's logs are spooled here, then written with
+`logger.write`, and the first value with a NaN or an infinity is reported (key, step, pass,
+where it was logged).
 """
 
 import os
