@@ -21,7 +21,6 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-import jax as _jax
 import numpy as np
 from jax import lax as _lax, tree_util as _tree_util
 from jax._src import (
@@ -133,17 +132,6 @@ def def_no_derivative(prim: Primitive) -> None:
         return outs, [_ad.Zero(_core.typeof(x).to_tangent_aval()) for x in outs]
 
     _ad.primitive_jvps[prim] = jvp
-
-
-def def_abstract_eval_of(prim: Primitive, fun: Callable) -> None:
-    """`prim`'s output avals: those of `fun(*args, **params)` (`multiple_results`)."""
-
-    def abstract_eval(*avals, **params):
-        structs = [_jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
-        outs = _jax.eval_shape(functools.partial(fun, **params), *structs)
-        return [ShapedArray(o.shape, o.dtype) for o in outs]
-
-    prim.def_abstract_eval(abstract_eval)
 
 
 def explicit_spec(aval: Any) -> tuple[Any, ...] | None:

@@ -7,6 +7,8 @@ import jax
 import jax.export
 import jax.tree_util as jtu
 
+from . import _compat
+
 
 @jtu.register_pytree_with_keys_class
 class LogDict(dict):
@@ -77,7 +79,7 @@ class LogDict(dict):
                 "`first_nonfinite=True` to `eqx_logs.spool` (or to the Policy)."
             )
         arrays, (keys, sites, step_names) = self._nonfinite
-        if isinstance(arrays["found"], jax.core.Tracer):
+        if _compat.is_tracer(arrays["found"]):
             raise TypeError(
                 "LogDict.first_nonfinite reads the values of the report, so it needs concrete "
                 "arrays: return the LogDict from the jitted function and read it outside."

@@ -8,6 +8,7 @@ import re
 import sys
 from collections.abc import Sequence
 
+from ._instrument import key_pattern
 from .loggers._jsonl import read_jsonl
 
 Curves = dict[str, dict[str, tuple[list[float], list[float]]]]
@@ -42,8 +43,7 @@ def key_matches(key: str, pattern: str) -> bool:
     matches `layers[0]/rms` (the keys `eqx_logs.instrument` logs)."""
     if fnmatch.fnmatchcase(key, pattern):
         return True
-    literal = "".join(".*" if c == "*" else "." if c == "?" else re.escape(c) for c in pattern)
-    return re.fullmatch(literal, key, re.DOTALL) is not None
+    return re.fullmatch(key_pattern(pattern), key, re.DOTALL) is not None
 
 
 def load_curves(

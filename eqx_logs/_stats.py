@@ -14,11 +14,15 @@ from . import _compat
 from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
 
 
-def _float(x: Array) -> Array:
+def _float_dtype(dtype: Any) -> Any:
     # statistics in at least float32: a bfloat16 activation's mean of squares overflows
-    if not jnp.issubdtype(x.dtype, jnp.inexact):
-        return x.astype(jnp.float32)
-    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.dtype(jnp.float32)
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _float(x: Array) -> Array:
+    return x.astype(_float_dtype(x.dtype))
 
 
 # The statistics, each a scalar over all of an array; `nonfinite` counts its NaN and infinite
@@ -113,7 +117,12 @@ def path_name(path: Sequence[Any]) -> str:
 stats_p = _compat.Primitive("eqx_logs.stats")
 stats_p.multiple_results = True
 stats_p.def_impl(_compute)
-_compat.def_abstract_eval_of(stats_p, _compute)
+stats_p.def_abstract_eval(
+    lambda aval, *, stats: [
+        _compat.ShapedArray((), jnp.int32 if name == "nonfinite" else _float_dtype(aval.dtype))
+        for name in stats
+    ]
+)
 _compat.def_no_derivative(stats_p)
 _compat.def_batching(
     stats_p, lambda args, dims, *, stats: (stats_p.bind(*args, stats=stats), [None] * len(stats))

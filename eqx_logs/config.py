@@ -16,6 +16,7 @@ Instrumentation. Reductions are names (`reduce: mean`) or nested `_target_` node
 (`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -121,6 +122,11 @@ def _plain(x: Any) -> Any:
     return x
 
 
+def _bad(config_key: str, name: str, value: Any, why: str) -> ValueError:
+    """The error for a bad config value, naming its key: `logging.interval=0: ...`."""
+    return ValueError(f"{config_key}.{name}={value!r}: {why}")
+
+
 def policy(
     reduce: Any = "stack",
     interval: int = 1,
@@ -141,8 +147,7 @@ def policy(
     `jax.random.key(seed)`), and `config_key`, the name used in error messages.
     """
 
-    def bad(name: str, value: Any, why: str) -> ValueError:
-        return ValueError(f"{config_key}.{name}={value!r}: {why}")
+    bad = functools.partial(_bad, config_key)
 
     for name, value, optional in (("interval", interval, False), ("window", window, True)):
         if optional and value is None:
@@ -235,8 +240,7 @@ def instrumentation(
     used in error messages.
     """
 
-    def bad(name: str, value: Any, why: str) -> ValueError:
-        return ValueError(f"{config_key}.{name}={value!r}: {why}")
+    bad = functools.partial(_bad, config_key)
 
     stats, where = _plain(stats), _plain(where)
     for name, value in (("enabled", enabled), ("grads", grads)):
