@@ -120,7 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser(
-        "plot", help="draw the scalar curves of JSONL runs (pip install 'eqx_logs[plot]')"
+        "plot",
+        help="draw the scalar curves of JSONL runs (pip install '.[plot]' from the checkout)",
     )
     p.add_argument("run_dir", help="a .jsonl file, or a directory searched for them")
     p.add_argument("-o", "--output", default="curves.png", help="the image (default: %(default)s)")

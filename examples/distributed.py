@@ -13,7 +13,7 @@ of its shard of the batch, the gradients are averaged with `pmean`. Two logs per
 
 - `loss`, tagged "global": merged over the devices on the device (`across="d"`, mean), so the
   logger writes the loss of the whole batch, once per run (process 0 writes it);
-- `grad_norm`, tagged "device": each device's own gradient norm, reduced as `conf/logging`
+- `grad_norm`, tagged "device": each device's own gradient norm, reduced as `logging=...`
   says and kept per device (a record holds one value per device).
 
 The spools nest: the inner one (the Hydra policy, the "global" tag excluded) takes the
@@ -89,7 +89,7 @@ def train_chunk(step, logger, state, policy, stream, params, xs, ys, start):
     return logger.spool(per_device, state, tags="global", across="d", reduce="mean")(params)
 
 
-@hydra.main(config_path="../conf", config_name="distributed", version_base="1.3")
+@hydra.main(config_path="conf", config_name="distributed", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     train = cfg.train
     if train.processes > 1:

@@ -1,7 +1,7 @@
 """Train a small Equinox MLP with the steps scanned inside `eqx.filter_jit`, logging from
 inside the model, the loss and the gradients, and read everything back from `spool`.
 
-Run: `make demo` (or `python examples/quickstart.py`).
+Run: `.venv/bin/python examples/quickstart.py` (after `make demo` has made `.venv`).
 """
 
 import equinox as eqx

@@ -1,6 +1,6 @@
 """The main example: train a small Equinox MLP, with logging chosen by Hydra configs.
 
-    python examples/train.py                          # conf/config.yaml defaults
+    python examples/train.py                          # examples/conf/config.yaml defaults
     python examples/train.py logging.interval=100 logging.reduce=mean
     python examples/train.py 'logging.tags=[train]' logger=console
     python examples/train.py logging=debug
@@ -20,13 +20,13 @@ inside the jitted call collects the logs, reduced on the device as the policy sa
 logger writes them into Hydra's run directory (on a background thread) after every chunk of
 steps. With `train.stream=true`, `logger.tap` writes each selected event as it happens instead.
 
-`instrument=all` (conf/instrument/) applies `eqx_logs.instrument` to the model before training:
-every layer's output statistics are logged as `layers[<i>]/<stat>`, the gradient's as
-`layers[<i>]/grad/<stat>` (tagged "instrument"; the step's `eqx_logs.scope(step=...)` gives
-them the step, as it does the loss, so `logging.interval` keeps them by step). With
-`logging.first_nonfinite=true` each chunk's logs are spooled here, then written with
-`logger.write`, and the first value with a NaN or an infinity is reported (key, step, pass,
-where it was logged).
+`instrument=all` (the package's group `instrument`) applies `eqx_logs.instrument` to the model
+before training: every layer's output statistics are logged as `layers[<i>]/<stat>`, the
+gradient's as `layers[<i>]/grad/<stat>` (tagged "instrument"; the step's
+`eqx_logs.scope(step=...)` gives them the step, as it does the loss, so `logging.interval` keeps
+them by step). With `logging.first_nonfinite=true` each chunk's logs are spooled here, then
+written with `logger.write`, and the first value with a NaN or an infinity is reported (key,
+step, pass, where it was logged).
 """
 
 import os
@@ -102,7 +102,7 @@ def dataset(key, batch):
     return x, jnp.sin(2 * x[:, 0]) * jnp.cos(x[:, 1])
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
     policy = instantiate(cfg.logging)
     instrumentation = instantiate(cfg.instrument)  # `model -> model`, as configured

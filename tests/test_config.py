@@ -1,5 +1,6 @@
-"""Hydra integration: `conf/` composed with Hydra's compose API (every knob, checked field by
-field on the instantiated Policy and logger; bad values), and real command-line runs of
+"""Hydra integration: `examples/conf/` (with the package's groups, `eqx_logs/conf/`) composed
+with Hydra's compose API (every knob, checked field by field on the instantiated Policy and
+logger; bad values), and real command-line runs of
 `examples/train.py` in a subprocess, whose files on disk are checked against independent
 references (a `logging=debug` run's per-step values, numpy, an in-process training loop)."""
 
@@ -40,7 +41,7 @@ from eqx_logs.loggers import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf"
+CONF = ROOT / "examples" / "conf"
 TRAIN = ROOT / "examples" / "train.py"
 
 STEPS, CHUNK = 200, 100
@@ -63,7 +64,7 @@ def compose_policy(*overrides: str) -> eqx_logs.Policy:
     return instantiate(compose_cfg(*overrides).logging)
 
 
-# conf/logging/default.yaml, written out by hand.
+# logging/default.yaml, written out by hand.
 DEFAULT = dict(
     reduce=Stack(),
     interval=10,
@@ -224,6 +225,7 @@ def test_yaml_preset_with_quoted_rules_and_nested_target(tmp_path):
     `window: null`, lists for tags/exclude."""
     conf = tmp_path / "conf"
     shutil.copytree(CONF, conf)
+    (conf / "logging").mkdir()  # an option of the application's, beside the package's
     (conf / "logging" / "mine.yaml").write_text(
         "defaults:\n"
         "  - base\n"
@@ -430,7 +432,7 @@ def compose_instrumentation(*overrides: str) -> Instrumentation:
     return instantiate(compose_cfg(*overrides).instrument)
 
 
-ALL_STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # conf/instrument/all.yaml
+ALL_STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # instrument/all.yaml
 INSTRUMENT_CASES = {
     "default: off": ([], dict(enabled=False, stats=ALL_STATS, grads=False, where=None)),
     "instrument=all": (["instrument=all"], dict(enabled=True, stats=ALL_STATS, grads=True)),

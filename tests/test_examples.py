@@ -84,7 +84,7 @@ def test_distributed_example_one_process_and_two(tmp_path):
     assert "4 devices in 1 process(es)" in out
     one = read_jsonl(tmp_path / "one0" / "logs.jsonl")
     norms = [r for r in one if r["key"] == "grad_norm"]
-    # every 10th step (conf/logging/default), one value per device
+    # every 10th step (eqx_logs/conf/logging/default), one value per device
     assert [r["step"] for r in norms] == [[s] * 4 for s in range(0, 200, 10)]
     assert all(len(r["value"]) == 4 for r in norms)
     losses = [r for r in one if r["key"] == "loss"]  # merged over the devices, per chunk
@@ -241,8 +241,8 @@ def test_instrument_example_names_the_first_nonfinite_layer():
 
 # examples/train.py with `instrument=...` (the Hydra command line, in a subprocess)
 
-TRAIN_STEPS, TRAIN_CHUNK, INTERVAL = 200, 100, 10  # INTERVAL: conf/logging/default.yaml
-STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # conf/instrument/all.yaml
+TRAIN_STEPS, TRAIN_CHUNK, INTERVAL = 200, 100, 10  # INTERVAL: logging/default.yaml
+STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # instrument/all.yaml
 LAYERS = ("layers[0]", "layers[1]", "layers[2]")
 
 
@@ -313,7 +313,7 @@ def test_train_example_instrument_all(tmp_path):
     train = _load_example("train")
     import jax
 
-    kdata, kmodel = jax.random.split(jax.random.key(0))  # conf/config.yaml: train.seed=0
+    kdata, kmodel = jax.random.split(jax.random.key(0))  # examples/conf/config.yaml: train.seed=0
     x, y = train.dataset(kdata, 64)
     model = train.MLP(32, kmodel)
     replay = _numpy_sgd(

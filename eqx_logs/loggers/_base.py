@@ -151,7 +151,8 @@ def require(module: str, extra: str, who: str) -> Any:
         return importlib.import_module(module)
     except ImportError as e:
         raise ImportError(
-            f"{who} needs {module.split('.')[0]}: pip install 'eqx_logs[{extra}]'"
+            f"{who} needs {module.split('.')[0]}: pip install '.[{extra}]' from the eqx_logs "
+            f"checkout (or pip install {module.split('.')[0]})"
         ) from e
 
 

@@ -31,7 +31,7 @@ def metric_name(tag: str) -> str:
 
 
 class MLflowLogger(AbstractLogger):
-    """MLflow (`pip install 'eqx_logs[mlflow]'`): one MLflow run per logger run, named
+    """MLflow (`pip install '.[mlflow]'` from the checkout): one MLflow run per logger run, named
     `<run_name>-<run>` in `experiment`. Scalars become metrics (at the event's `step`, or a
     per-key counter); arrays are saved as `.npy` artifacts under `arrays/<key>/<step>.npy`.
     Pytree values are logged per leaf as `<key>/<path>`; names MLflow would reject are made

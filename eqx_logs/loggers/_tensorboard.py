@@ -82,7 +82,7 @@ class _EventFile:
 
 
 class TensorBoardLogger(AbstractLogger):
-    """TensorBoard event files (`pip install 'eqx_logs[tensorboard]'`, which brings
+    """TensorBoard event files (`pip install '.[tensorboard]'` from the checkout, which brings
     tensorboardX for the protos), one run directory per run, `logdir/run_<run>`: scalars, and
     arrays as histograms of their finite entries. The count of non-finite entries of an array,
     where there are any, goes to the run `run_<run>/nonfinite` under the key's own tag, so it

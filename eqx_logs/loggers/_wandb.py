@@ -17,8 +17,8 @@ from ._base import (
 
 
 class WandbLogger(AbstractLogger):
-    """Weights & Biases (`pip install 'eqx_logs[wandb]'`): one W&B run per logger run, named
-    `<name>-<run>` and grouped under `name`. Scalars are logged as numbers, arrays as
+    """Weights & Biases (`pip install '.[wandb]'` from the checkout): one W&B run per logger
+    run, named `<name>-<run>` and grouped under `name`. Scalars are logged as numbers, arrays as
     `wandb.Histogram`s (of their finite entries), pytree values per leaf as `<key>/<path>`.
     W&B needs steps to increase within a run: the records of one write are grouped by their
     `step`, in increasing order, and each record without one gets the next step; a step
