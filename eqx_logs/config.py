@@ -1,18 +1,20 @@
 """Hydra structured configs for policies and loggers, registered in Hydra's ConfigStore.
 
-Importing this module registers, in the ConfigStore:
+Importing this module registers the schemas, in the ConfigStore, under `eqx_logs/` (so that
+they are not offered as options of the groups themselves):
 
-- group `logging`, name `base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy`
-  into an `eqx_logs.Policy`;
-- group `logger`, one `<name>_base` per backend: `console_base`, `jsonl_base`, `array_base`,
-  `tensorboard_base`, `wandb_base`, `mlflow_base`, `progress_base` (`ConsoleLoggerConfig`, ...);
-- group `instrument`, name `base`: `InstrumentConfig`, instantiated by
+- `eqx_logs/logging/base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy` into an
+  `eqx_logs.Policy`;
+- `eqx_logs/logger/<backend>`, one per backend: `console`, `jsonl`, `array`, `tensorboard`,
+  `wandb`, `mlflow`, `progress` (`ConsoleLoggerConfig`, ...);
+- `eqx_logs/instrument/base`: `InstrumentConfig`, instantiated by
   `eqx_logs.config.instrumentation` into an `Instrumentation` (`eqx_logs.instrument` as
   configured: `instrumentation(model)`).
 
-YAML files extend them (`defaults: [base, _self_]`), and `hydra.utils.instantiate(cfg.logging)`
-returns a Policy, `instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an
-Instrumentation. Reductions are names (`reduce: mean`) or nested `_target_` nodes
+The groups' YAML files (`eqx_logs/conf/`, on every Hydra application's search path once the
+package is installed) extend them (`defaults: [/eqx_logs/logging/base@_here_, _self_]`), as an
+application's own options can, and `hydra.utils.instantiate(cfg.logging)` returns a Policy,
+`instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an Instrumentation. Reductions are names (`reduce: mean`) or nested `_target_` nodes
 (`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
 """
 
@@ -282,8 +284,10 @@ def multi_logger(*loggers: Any) -> Any:
 
 def register_configs() -> None:
     cs = ConfigStore.instance()
-    cs.store(group="logging", name="base", node=PolicyConfig)
-    cs.store(group="instrument", name="base", node=InstrumentConfig)
+    # under eqx_logs/: schemas to extend (`- /eqx_logs/logging/base@_here_`), not options of
+    # the groups `logging`, `logger` and `instrument` themselves
+    cs.store(group="eqx_logs/logging", name="base", node=PolicyConfig)
+    cs.store(group="eqx_logs/instrument", name="base", node=InstrumentConfig)
     for name, node in (
         ("console", ConsoleLoggerConfig),
         ("jsonl", JsonlLoggerConfig),
@@ -293,7 +297,7 @@ def register_configs() -> None:
         ("mlflow", MLflowLoggerConfig),
         ("progress", ProgressLoggerConfig),
     ):
-        cs.store(group="logger", name=f"{name}_base", node=node)
+        cs.store(group="eqx_logs/logger", name=name, node=node)
 
 
 register_configs()

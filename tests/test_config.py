@@ -228,7 +228,7 @@ def test_yaml_preset_with_quoted_rules_and_nested_target(tmp_path):
     (conf / "logging").mkdir()  # an option of the application's, beside the package's
     (conf / "logging" / "mine.yaml").write_text(
         "defaults:\n"
-        "  - base\n"
+        "  - /eqx_logs/logging/base@_here_\n"
         "  - _self_\n"
         "reduce:\n"
         "  _target_: eqx_logs.Window\n"

@@ -1,7 +1,8 @@
 """The package as `pip install` gives it: a wheel built from the checkout (hatchling, as
-`pip install .` builds it) holds the licence, `py.typed`, every config group, one version; and
-a Hydra application of a user's own, run from the unpacked wheel, finds the groups by
-`pkg://eqx_logs.conf` without importing `eqx_logs.config` itself."""
+`pip install .` builds it) holds the licence, `py.typed`, every config group and the Hydra
+plugin that puts them on the search path, and one version; and a Hydra application of a user's
+own, run from the unpacked wheel alone (not the checkout), finds the groups without naming them
+and without importing `eqx_logs.config` itself."""
 
 import email
 import os
@@ -46,6 +47,8 @@ def test_wheel_contents(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "eqx_logs/py.typed" in names
     assert "eqx_logs/conf/__init__.py" in names
+    assert "hydra_plugins/eqx_logs_searchpath/eqx_logs_searchpath.py" in names
+    assert "hydra_plugins/__init__.py" not in names  # a namespace package, shared
     yamls = {p for p in _git_files("eqx_logs/conf") if p.endswith(".yaml")}
     assert {"eqx_logs/conf/logging/default.yaml", "eqx_logs/conf/logger/jsonl.yaml"} <= yamls
     assert yamls <= names, sorted(yamls - names)
@@ -70,8 +73,6 @@ defaults:
   - _self_
 
 hydra:
-  searchpath:
-    - pkg://eqx_logs.conf
   run:
     dir: {run_dir}
 """
@@ -106,38 +107,48 @@ def test_installed_groups_from_a_users_app(wheel, tmp_path):
     (app / "conf").mkdir(parents=True)
     (app / "conf" / "config.yaml").write_text(APP_CONFIG.format(run_dir=tmp_path / "run"))
     (app / "app.py").write_text(APP)
-    env = {**os.environ, "PYTHONPATH": str(site), "JAX_PLATFORMS": "cpu"}
+    # `-S`: no site-packages .pth files, so not the checkout's editable install either; the
+    # environment's packages (hydra, jax) by path, after the unpacked wheel
+    packages = [p for p in sys.path if p.endswith("site-packages")]
+    path = os.pathsep.join([str(site), *packages])
+    env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": "cpu"}
 
-    def run(*overrides: str) -> dict[str, str]:
+    def run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
         proc = subprocess.run(
-            [sys.executable, "app.py", *overrides],
+            [sys.executable, "-S", "app.py", *args],
             cwd=app,
             env=env,
             capture_output=True,
             text=True,
             timeout=300,
         )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        return dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
+        assert (proc.returncode == 0) == ok, proc.stderr[-3000:]
+        return proc
 
-    out = run()
+    def values(*overrides: str) -> dict[str, str]:
+        lines = run(*overrides).stdout.splitlines()
+        return dict(line.split(" ", 1) for line in lines if " " in line)
+
+    out = values()
     assert Path(out["FROM"]).is_relative_to(site), out["FROM"]  # not the checkout's
     # logging/default.yaml: every 10th event, stacked, debug logs dropped
     assert out["POLICY"] == "10 Stack None ('debug',)"
     assert out["LOGGER"] == "JsonlLogger"
     assert out["INSTRUMENT"] == "Instrumentation"
     # logging/train.yaml: train-tagged scalars, the mean of every 100 steps
-    out = run("logging=train", "logger=console", "instrument=norms")
+    out = values("logging=train", "logger=console", "instrument=norms")
     assert out["POLICY"].split()[:3] == ["1", "Mean", "('train',)"]
     assert out["LOGGER"] == "ConsoleLogger"
+    # --help lists the options, and not the schemas among them
+    groups = dict(line.split(": ", 1) for line in run("--help").stdout.splitlines() if ": " in line)
+    assert groups["logger"].split(", ") == [
+        "array", "console", "jsonl", "mlflow", "multi", "progress", "tensorboard", "wandb"
+    ]  # fmt: skip
+    assert groups["logging"] == "debug, default, train"
+    assert groups["instrument"] == "all, norms, off"
     # an option the package does not have: Hydra's error lists the package's options
-    proc = subprocess.run(
-        [sys.executable, "app.py", "logger=nope"],
-        cwd=app,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert "tensorboard" in proc.stderr and "jsonl" in proc.stderr, proc.stderr[-2000:]
+    err = run("logger=nope", ok=False).stderr
+    assert "tensorboard" in err and "jsonl" in err and "_base" not in err, err[-2000:]
+    # a misspelt key of a schema: an error at composition, naming it
+    err = run("logging.intervall=3", ok=False).stderr
+    assert "intervall" in err, err[-2000:]
