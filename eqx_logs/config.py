@@ -116,6 +116,7 @@ class ProgressLoggerConfig(_LoggerConfig):
     total: int | None = None
     desc: str | None = None
     step: str = "step"
+    ncols: int | None = None  # the terminal's width
 
 
 def _plain(x: Any) -> Any:

@@ -1083,6 +1083,32 @@ def test_progress_without_steps_counts_writes(capsys):
     assert re.search(r"\b7it\b", bar) and "loss=6" in bar, bar
 
 
+@pytest.mark.parametrize("steps", [200, 90])
+def test_progress_at_80_columns_shows_the_loss_and_ends_at_the_total(capsys, steps):
+    """Many scalars at 80 columns: the loss first and a bar still 20+ columns wide; with
+    `interval=10` the last logged step is 190 of 200, and the bar ends at 200, unless the run
+    stopped early (90 steps of 200 ends at 81/200: the last logged step, 80, plus one)."""
+    total, interval = 200, 10
+
+    def f(xs):
+        def body(c, i):
+            keys = {"grad_norm/" + str(k): c * k for k in range(6)}
+            eqx_logs.log({**keys, "lr": 0.05 + 0 * c, "loss": c}, step=i)
+            return c * 0.99, None
+
+        return lax.scan(body, 1.0, xs)[0]
+
+    with ProgressLogger(total=total, desc="train", ncols=80) as logger:
+        logger.tap(f, logger.init(), policy=eqx_logs.Policy(interval=interval))(jnp.arange(steps))
+    bar = final_bar(capsys.readouterr().err, "train")
+    last = (steps - 1) // interval * interval
+    assert len(bar) <= 80, bar
+    assert bar.startswith(f"train: loss={0.99**last:.4g} …"), bar  # the others did not fit
+    assert bar.count("█") + bar.count(" ", bar.index("|"), bar.rindex("|")) >= 20, bar
+    n = total if steps == total else last + 1
+    assert f"{n}/{total}" in bar, bar
+
+
 def test_console_aligned_per_run(capsys):
     def f(x):
         eqx_logs.log({"loss": x, "a_long_key/name": -1000 * x, "v": jnp.stack([x, 2 * x])}, step=3)

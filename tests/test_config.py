@@ -312,7 +312,7 @@ LOGGER_CASES = {
     "logger=progress": (
         ["logger=progress", "train.steps=300"],
         ProgressLogger,
-        {"total": 300, "desc": "train"},
+        {"total": 300, "desc": "train", "ncols": None},
     ),
 }
 
