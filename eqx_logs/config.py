@@ -14,8 +14,9 @@ they are not offered as options of the groups themselves):
 The groups' YAML files (`eqx_logs/conf/`, on every Hydra application's search path once the
 package is installed) extend them (`defaults: [/eqx_logs/logging/base@_here_, _self_]`), as an
 application's own options can, and `hydra.utils.instantiate(cfg.logging)` returns a Policy,
-`instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an Instrumentation. Reductions are names (`reduce: mean`) or nested `_target_` nodes
-(`reduce: {_target_: eqx_logs.Window, size: 100, inner: mean}`).
+`instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an Instrumentation.
+Reductions are names (`reduce: mean`) or nested `_target_` nodes (`reduce: {_target_:
+eqx_logs.Window, size: 100, inner: mean}`).
 """
 
 import functools
