@@ -51,8 +51,8 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_instrument.py
 
 lint: .venv/.installed
-	.venv/bin/ruff check eqx_logs tests examples benchmarks
-	.venv/bin/ruff format --check eqx_logs tests examples benchmarks
+	.venv/bin/ruff check eqx_logs hydra_plugins tests examples benchmarks
+	.venv/bin/ruff format --check eqx_logs hydra_plugins tests examples benchmarks
 
 clean:
 	rm -rf .venv .venv312
