@@ -46,19 +46,48 @@ def key_matches(key: str, pattern: str) -> bool:
     return re.fullmatch(key_pattern(pattern), key, re.DOTALL) is not None
 
 
+def _overrides(file: str) -> list[str] | None:
+    """The Hydra overrides of the run that wrote `file` (`.hydra/overrides.yaml` beside it),
+    or None where there is no such file."""
+    path = os.path.join(os.path.dirname(os.path.abspath(file)), ".hydra", "overrides.yaml")
+    if not os.path.isfile(path):
+        return None
+    from omegaconf import OmegaConf
+
+    overrides = OmegaConf.to_container(OmegaConf.load(path))
+    return [str(o) for o in overrides] if isinstance(overrides, list) else None
+
+
+def run_names(files: Sequence[str]) -> dict[str, str]:
+    """A name for each file's run: the Hydra overrides that differ between the runs (those of
+    a multirun's sweep: `logging.interval=10`), else the file's path below the files' common
+    directory; `""` for a lone file."""
+    if len(files) <= 1:
+        return {f: "" for f in files}
+    overrides = {f: _overrides(f) for f in files}
+    if all(o is not None for o in overrides.values()):
+        common = set.intersection(*(set(o) for o in overrides.values()))
+        names = {f: " ".join(x for x in o if x not in common) for f, o in overrides.items()}
+        if len(set(names.values())) == len(files):
+            return names
+    root = os.path.commonpath([os.path.abspath(f) for f in files])
+    return {f: os.path.relpath(os.path.abspath(f), root) for f in files}
+
+
 def load_curves(
     files: Sequence[str], keys: Sequence[str] = ("*",), step: str = "step"
 ) -> tuple[Curves, set[str], set[str]]:
     """`curves[key][label] = (xs, ys)` for every scalar key matching one of `keys`
-    (`key_matches`), one label per file and run; x is the record's `step`, or its index among
-    the key's records. Also returns the keys skipped because their values are not scalars, and
-    the keys plotted against the index because their records have no `step`."""
+    (`key_matches`), one label per run (`run_names`, and the logger's run index where not 0);
+    x is the record's `step`, or its index among the key's records. Also returns the keys
+    skipped because their values are not scalars, and the keys plotted against the index
+    because their records have no `step`."""
     curves: Curves = {}
     skipped: set[str] = set()
     unstepped: set[str] = set()
-    common = os.path.commonpath([os.path.abspath(f) for f in files]) if len(files) > 1 else ""
+    names = run_names(files)
     for file in files:
-        name = os.path.relpath(os.path.abspath(file), common) if common else ""
+        name = names[file]
         for record in read_jsonl(file):
             key = record.get("key")
             if not isinstance(key, str) or not any(key_matches(key, k) for k in keys):
@@ -84,9 +113,12 @@ def plot(
     title: str | None = None,
     unstepped: set[str] = frozenset(),
     step: str = "step",
+    logy: bool = False,
 ) -> None:
     """Draw one panel per key, a line per run, into `output` (any format matplotlib writes);
-    x is `step`, or for the keys in `unstepped` the index of the record."""
+    x is `step`, or for the keys in `unstepped` the index of the record; y is the key's last
+    `/`-part (`rms` of `layers[0]/rms`), on a log scale with `logy` (a symmetric one for a key
+    with values <= 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -101,6 +133,10 @@ def plot(
             ax.plot(xs, ys, label=label, linewidth=1.2)
         ax.set_title(key, fontsize=10)
         ax.set_xlabel(f"record (no {step})" if key in unstepped else step)
+        ax.set_ylabel(key.rsplit("/", 1)[-1])
+        if logy:
+            positive = all(y > 0 for _, ys in curves[key].values() for y in ys)
+            ax.set_yscale("log" if positive else "symlog")
         ax.grid(alpha=0.3)
         if len(curves[key]) > 1:
             ax.legend(fontsize=7)
@@ -115,9 +151,12 @@ def plot(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from . import __version__
+
     parser = argparse.ArgumentParser(
         prog="python -m eqx_logs", description="Tools for eqx_logs runs."
     )
+    parser.add_argument("--version", action="version", version=f"eqx_logs {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser(
         "plot",
@@ -127,33 +166,53 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-o", "--output", default="curves.png", help="the image (default: %(default)s)")
     p.add_argument(
         "-k",
-        "--keys",
-        nargs="+",
-        default=["*"],
-        help="key patterns to plot (default: all): '*' matches any characters, '?' one; a key "
-        "matches a pattern as fnmatch ('[ab]' a character class) or with '[' and ']' matching "
-        "themselves, so 'layers[0]/*' plots the statistics eqx_logs.instrument logged for "
-        "layers[0]. Quote patterns in the shell.",
+        "--key",
+        action="append",
+        dest="keys",
+        metavar="PATTERN",
+        help="a key pattern to plot, repeatable (-k loss -k 'grad/*'; default: all keys): '*' "
+        "matches any characters, '?' one; a key matches a pattern as fnmatch ('[ab]' a "
+        "character class) or with '[' and ']' matching themselves, so 'layers[0]/*' plots the "
+        "statistics eqx_logs.instrument logged for layers[0]. Quote patterns in the shell.",
     )
+    p.add_argument("--logy", action="store_true", help="a log scale for the values")
     p.add_argument(
         "--step",
         default="step",
         help="the step name for the x axis (records without it: their index)",
     )
     args = parser.parse_args(argv)
+    keys = args.keys or ["*"]
 
     files = find_runs(args.run_dir)
     if not files:
         print(f"error: no .jsonl files in {args.run_dir!r}", file=sys.stderr)
         return 2
-    curves, skipped, unstepped = load_curves(files, args.keys, args.step)
+    try:
+        curves, skipped, unstepped = load_curves(files, keys, args.step)
+    except ValueError as e:  # a file that is not a JsonlLogger's, named by the reader
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if skipped:
         names = ", ".join(sorted(skipped))
         print(f"not plotted (values are not scalars): {names}", file=sys.stderr)
     if not curves:
-        print(f"error: no scalar keys matching {args.keys} in {files}", file=sys.stderr)
+        print(f"error: no scalar keys matching {keys} in {files}", file=sys.stderr)
         return 2
-    plot(curves, args.output, title=args.run_dir, unstepped=unstepped, step=args.step)
+    try:
+        plot(curves, args.output, args.run_dir, unstepped, args.step, args.logy)
+    except ImportError as e:
+        if e.name is None or e.name.split(".")[0] != "matplotlib":
+            raise
+        print(
+            "error: plot needs matplotlib: pip install '.[plot]' from the eqx_logs checkout "
+            "(or pip install matplotlib)",
+            file=sys.stderr,
+        )
+        return 2
     n = sum(len(c) for c in curves.values())
     print(f"wrote {args.output}: {len(curves)} keys, {n} curves from {len(files)} file(s)")
+    labels = sorted({label for c in curves.values() for label in c})
+    if len(labels) > 1:
+        print("runs: " + ", ".join(labels))
     return 0

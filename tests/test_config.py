@@ -867,6 +867,27 @@ def test_plot_cli_says_what_is_missing(tmp_path):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_plot_cli_version_and_without_matplotlib(tmp_path):
+    import eqx_logs
+
+    run = [sys.executable, "-m", "eqx_logs"]
+    proc = subprocess.run(run + ["--version"], capture_output=True, text=True, env=_env())
+    assert proc.returncode == 0 and proc.stdout.strip() == f"eqx_logs {eqx_logs.__version__}"
+    log = tmp_path / "logs.jsonl"
+    log.write_text('{"run": 0, "key": "loss", "value": 1.5, "step": 0}\n')
+    # matplotlib missing (an import of it fails, as where it is not installed)
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; from eqx_logs._plot import main; "
+        f"sys.exit(main(['plot', {str(log)!r}, '-o', {str(tmp_path / 'x.png')!r}]))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert "plot needs matplotlib: pip install '.[plot]'" in proc.stderr, proc.stderr
+
+
 def test_multirun(train_run):
     run = train_run("multirun", "logging.interval=1,10", multirun=True).ok()
     files = sorted(run.out.glob("*/logs.jsonl"))
@@ -884,6 +905,21 @@ def test_multirun(train_run):
         steps, _ = series(records, "loss")
         assert steps == list(range(0, STEPS, interval))
     assert seen == {1, 10}
+    # the plot command names each run by the overrides that differ (not `0/logs.jsonl`); -k
+    # takes one pattern, so the run directory after it is not taken for a second one
+    image = run.out / "curves.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "eqx_logs", "plot", "-k", "loss", str(run.out)]
+        + ["--logy", "-o", str(image)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"wrote {image}: 1 keys, 2 curves from 2 file(s)" in proc.stdout, proc.stdout
+    assert "runs: logging.interval=1, logging.interval=10" in proc.stdout, proc.stdout
+    assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 BAD_RUNS = {
