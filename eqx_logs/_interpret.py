@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -160,12 +161,12 @@ def _unbatched(s: jax.ShapeDtypeStruct, batch: tuple[int, ...]) -> jax.ShapeDtyp
 
 def _merge_leaf(key, info, i, shape, dtype, weak, site):
     old = info.leaves[i]
-    where = f"at {site} and at {_site_list(info.sites)}"
+    earlier = _site_list(info.sites)
     if old.shape != shape:
         raise ValueError(
-            f"eqx_logs: key {key!r} is logged with shape {old.shape} and with shape {shape} "
-            f"({where}). Every event of one key must have the same shape and dtype; log the "
-            "differently shaped values under different keys."
+            f"eqx_logs: key {key!r} is logged with shape {old.shape} (at {earlier}) and with "
+            f"shape {shape} (at {site}). Every event of one key must have the same shape and "
+            "dtype; log the differently shaped values under different keys."
         )
     if old.dtype == dtype:
         info.weak[i] = info.weak[i] and weak
@@ -177,8 +178,9 @@ def _merge_leaf(key, info, i, shape, dtype, weak, site):
         info.weak[i] = False
         return
     raise TypeError(
-        f"eqx_logs: key {key!r} is logged with dtype {old.dtype} and with dtype {dtype} "
-        f"({where}). Every event of one key must have the same dtype; cast one of them."
+        f"eqx_logs: key {key!r} is logged with dtype {old.dtype} (at {earlier}) and with "
+        f"dtype {dtype} (at {site}). Every event of one key must have the same dtype; cast one "
+        "of them."
     )
 
 
@@ -402,6 +404,20 @@ class Interpreter:
         if hit is None:
             hit = self._selects[tags] = method(self.policy, "selects")(tags)
         return hit
+
+    def warn_if_nothing_selected(self, who: str) -> None:
+        """After a run: a policy with `tags` that selected none of the events traced is most
+        likely a misspelt tag; say so, naming the tags there were."""
+        tags = getattr(self.policy, "tags", None)
+        if tags is None or not self._selects or any(self._selects.values()):
+            return
+        seen = sorted({t for ts in self._selects for t in ts})
+        warnings.warn(
+            f"{who}(tags={tags!r}) selected none of the events traced; the tags logged are "
+            f"{seen if seen else 'none (every log is untagged)'}. Events a spool or tap does "
+            "not select pass to an enclosing one, or are dropped.",
+            stacklevel=2,
+        )
 
     def reduction_of(self, key: str, site_reduce: Any = None) -> Any:
         """`self.policy.reduction(key, site_reduce)`, cached."""
@@ -1119,7 +1135,9 @@ class Interpreter:
         except NeedsBound:
             raise ValueError(
                 f"eqx_logs.spool: key {key!r} is logged inside a `lax.while_loop` (at "
-                f"{_site_list(info.sites)}), so its number of events has no static bound and "
+                f"{_site_list(info.sites)}; a `lax.fori_loop` whose bounds are traced is one, "
+                "as are Equinox's and diffrax's loops), so its number of events has no static "
+                "bound and "
                 f"{type(reduction).__name__} cannot allocate its buffer without one. Pass a "
                 "capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last'), "
                 "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"

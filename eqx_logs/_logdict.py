@@ -98,6 +98,21 @@ class LogDict(dict):
             lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
         )
 
+    def __missing__(self, key: Any) -> Any:
+        import difflib
+
+        keys = sorted(self)
+        close = difflib.get_close_matches(str(key), keys, n=3)
+        hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+        listed = ", ".join(map(repr, keys[:50])) + (
+            f", ... ({len(keys)} in all)" * (len(keys) > 50)
+        )
+        raise KeyError(
+            f"{key!r}: no such key in this LogDict.{hint} Its keys: {listed or 'none'}. A key "
+            "is there when a log under it ran inside the spool and its policy kept it (tags, "
+            "exclude, rules)."
+        )
+
     def __getattr__(self, name: str) -> dict[str, Any]:
         try:
             return object.__getattribute__(self, "_steps")[name]

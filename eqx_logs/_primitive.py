@@ -438,7 +438,9 @@ def _check_step(name: str, value: Any, site: str) -> jax.Array:
     if not ok:
         raise TypeError(
             f"eqx_logs.log: step {name}={value!r:.60} at {site} must be an integer scalar "
-            "(a Python int or an integer array of shape ()), for example `step=i`."
+            "(a Python int or an integer array of shape ()), for example `step=i`. Keyword "
+            f"arguments are step names; to log {name!r} as a value, pass it in the dict: "
+            f"log({{{name!r}: ...}})."
         )
     _check_range(f"step {name!r}", value, site)
     return jnp.asarray(value)
@@ -471,7 +473,7 @@ def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
 
 
 def log(
-    data: dict[str, PyTree[ArrayLike]] | str,
+    data: dict[str, PyTree[ArrayLike]] | str = _MISSING,
     value: PyTree[ArrayLike] = _MISSING,
     /,
     *,
@@ -507,6 +509,14 @@ def log(
         ```
     """
     site = _call_site()
+    if data is _MISSING:
+        names = ", ".join(f"{k}=..." for k in steps) or "nothing"
+        example = next(iter(steps), "loss")
+        raise TypeError(
+            f"eqx_logs.log({names}) at {site} logs no value: keyword arguments are step names "
+            f"(step=i), recorded beside the values. Log a value as "
+            f"log({{{example!r}: x}}) or log({example!r}, x)."
+        )
     if value is not _MISSING:
         if not isinstance(data, str):
             raise TypeError(

@@ -179,7 +179,9 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
 def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    outs, logs = Interpreter(policy, RULES, keep=keep).run(closed, flat)
+    interpreter = Interpreter(policy, RULES, keep=keep)
+    outs, logs = interpreter.run(closed, flat)
+    interpreter.warn_if_nothing_selected("eqx_logs.spool")
     return rebuild(outs), logs
 
 

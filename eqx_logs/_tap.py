@@ -2,6 +2,7 @@
 
 import contextlib
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -487,8 +488,33 @@ def tap(
         return functools.partial(tap, callback=callback, policy=policy)
     if not callable(fun):
         raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
+    if callback is not None:
+        _check_callback(callback)
     sink = _Callback(print_callback if callback is None else callback)
     return tap_with(fun, policy, sink, None, every_process=False)
+
+
+def _check_callback(callback: Any) -> None:
+    """`callback(logs, steps)` must be callable with two positional arguments: found here,
+    not on the host in the middle of a run."""
+    if not callable(callback):
+        raise TypeError(
+            f"eqx_logs.tap: callback must be a function `callback(logs, steps)`, got "
+            f"{type(callback).__name__}."
+        )
+    try:
+        signature = inspect.signature(callback)
+    except (TypeError, ValueError):  # a builtin without a signature: trust it
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(callback, "__qualname__", repr(callback))
+        raise TypeError(
+            f"eqx_logs.tap: callback {name}{signature} cannot be called as callback(logs, "
+            "steps), with two positional arguments: the dict of the event's values and the "
+            "dict of its steps. Define it as `def callback(logs, steps): ...`."
+        ) from None
 
 
 def tap_with(
@@ -550,4 +576,7 @@ class _Callback(eqx.Module):
 def _tap_call(fun, policy, sink, scope, context, args, kwargs):
     del scope  # part of the cache key only
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    return rebuild(_TapInterpreter(policy, *sink, context).run(closed, flat))
+    interpreter = _TapInterpreter(policy, *sink, context)
+    outs = interpreter.run(closed, flat)
+    interpreter.warn_if_nothing_selected("eqx_logs.tap")
+    return rebuild(outs)

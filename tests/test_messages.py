@@ -1,0 +1,126 @@
+"""What a newcomer's mistakes are told: each message names the key or call site and what to do
+instead, and is raised where the mistake is made (not later, on the host, mid-run)."""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import eqx_logs
+
+pytestmark = pytest.mark.fast
+
+
+def _line_of(marker: str) -> int:
+    """The line of this file holding `marker` (a comment), for the call sites in messages."""
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip().endswith(marker):
+                return i
+    raise AssertionError(marker)
+
+
+def test_shape_conflict_names_each_site_beside_its_shape():
+    def f(x):
+        eqx_logs.log("x", x[:2])  # site-two
+        eqx_logs.log("x", x)  # site-three
+
+    with pytest.raises(ValueError) as info:
+        eqx_logs.spool(f)(jnp.zeros(3))
+    msg = str(info.value)
+    two, three = _line_of("# site-two"), _line_of("# site-three")
+    # "(2,) (at ...:<two> ...) and with shape (3,) (at ...:<three> ...)"
+    pattern = rf"shape \(2,\) \(at [^)]*:{two}\b.*shape \(3,\) \(at [^)]*:{three}\b"
+    assert re.search(pattern, msg), msg
+
+
+def test_dtype_conflict_names_each_site_beside_its_dtype():
+    def f(x):
+        eqx_logs.log("x", x)  # site-float
+        eqx_logs.log("x", x.astype(jnp.int32))  # site-int
+
+    with pytest.raises(TypeError) as info:
+        eqx_logs.spool(f)(jnp.zeros(3))
+    msg = str(info.value)
+    a, b = _line_of("# site-float"), _line_of("# site-int")
+    assert re.search(rf"dtype float32 \(at [^)]*:{a}\b.*dtype int32 \(at [^)]*:{b}\b", msg), msg
+
+
+def test_log_with_only_keyword_arguments_says_they_are_steps():
+    with pytest.raises(TypeError, match=r"log\(loss=\.\.\.\) .* logs no value") as info:
+        eqx_logs.spool(lambda x: eqx_logs.log(loss=x))(1.0)
+    assert "keyword arguments are step names" in str(info.value)
+    assert "log({'loss': x})" in str(info.value)
+    # a float value passed as a keyword beside a dict: the step check says the same
+    with pytest.raises(TypeError, match=r"to log 'loss' as a value, pass it in the dict"):
+        eqx_logs.spool(lambda x: eqx_logs.log({"a": x}, loss=x))(1.0)
+
+
+def test_tap_checks_the_callbacks_arity_when_called():
+    def f(x):
+        eqx_logs.log("x", x)
+
+    def one(logs):
+        pass
+
+    with pytest.raises(TypeError, match=r"callback .*one\(logs\) cannot be called as"):
+        eqx_logs.tap(f, callback=one)  # at tap(), before any tracing or running
+    with pytest.raises(TypeError, match=r"cannot be called as callback\(logs, steps\)"):
+        eqx_logs.tap(callback=lambda a, b, c: None)(f)
+    with pytest.raises(TypeError, match="callback must be a function"):
+        eqx_logs.tap(f, callback="print")
+    # what can be called with two positional arguments passes, and runs
+    seen = []
+    eqx_logs.tap(f, callback=lambda logs, steps, extra=None: seen.append(logs))(2.0)
+    eqx_logs.tap(f, callback=lambda *args: seen.append(args[0]))(3.0)
+    jax.effects_barrier()
+    assert [float(s["x"]) for s in seen] == [2.0, 3.0]
+
+
+def test_missing_key_lists_the_keys_there_are():
+    _, logs = eqx_logs.spool(lambda x: eqx_logs.log({"loss": x, "accuracy": x}))(1.0)
+    with pytest.raises(KeyError) as info:
+        logs["los"]
+    msg = str(info.value)
+    assert "Did you mean 'loss'?" in msg and "'accuracy', 'loss'" in msg, msg
+    assert logs.get("los") is None and "los" not in logs  # dict semantics otherwise unchanged
+    _, empty = eqx_logs.spool(lambda x: x)(1.0)
+    with pytest.raises(KeyError, match="Its keys: none"):
+        empty["loss"]
+
+
+def test_tags_selecting_nothing_warn_with_the_tags_logged():
+    def f(x):
+        eqx_logs.log("loss", x, tags="train")
+        eqx_logs.log("act", x, tags=("debug", "model"))
+
+    with pytest.warns(UserWarning, match=r"spool\(tags=\('trian',\)\) selected none") as rec:
+        _, logs = eqx_logs.spool(f, tags=["trian"])(1.0)
+    assert dict(logs) == {}
+    assert "['debug', 'model', 'train']" in str(rec[0].message)
+    with pytest.warns(UserWarning, match=r"tap\(tags=\('trian',\)\) selected none"):
+        eqx_logs.tap(f, tags=["trian"], callback=lambda logs, steps: None)(1.0)
+    # a tag that selects something, or no tag filter at all: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, logs = eqx_logs.spool(f, tags=["train"])(2.0)
+        _, everything = eqx_logs.spool(f, exclude=["train", "debug"])(2.0)
+    assert set(logs) == {"loss"} and set(everything) == set()
+
+
+def test_unbounded_loop_message_names_fori_loop_with_traced_bounds():
+    def f(n):
+        def body(i, c):
+            eqx_logs.log("c", c)
+            return c + 1.0
+
+        return lax.fori_loop(0, n, body, 0.0)
+
+    with pytest.raises(ValueError) as info:
+        eqx_logs.spool(f)(jnp.int32(3))
+    msg = str(info.value)
+    assert "key 'c'" in msg and "fori_loop` whose bounds are traced" in msg, msg
+    assert "Stack(capacity=N)" in msg
