@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -994,6 +995,9 @@ class Interpreter:
         outs, states = self.eval(closed, args, states, settle=False)
         first = states.pop(_FIRST, None)
         states = self.settle(states, arrays=False)  # what is known now stays so
+        for key, state in states.items():
+            for channel in self._channels[key]:
+                self._check_size(key, channel, state[channel])
         self._check_across()
         # keys with the same batch shape are finalized under one vmap: a vmap per key costs
         # more to trace than most finalizations
@@ -1144,6 +1148,48 @@ class Interpreter:
                 "`lax.fori_loop` with static bounds."
             ) from None
         return info.shard_like_values(state) if channel == "value" else state
+
+    def _check_size(self, key: str, channel: str, state: Any) -> None:
+        """A buffer larger than the device's memory would fail at run time with an
+        out-of-memory error naming nothing: fail now, naming the key and the fixes."""
+        nbytes = 0
+        for x in jtu.tree_leaves(state):
+            shape = tuple(getattr(x, "shape", ()))
+            if not all(isinstance(d, int) for d in shape):
+                return  # symbolic sizes (`jax.export`): not known here
+            nbytes += math.prod(shape) * np.dtype(x.dtype).itemsize
+        limit = _memory_limit()
+        if limit is None or nbytes <= limit:
+            return
+        info, reduction = self.info[key], self._channels[key][channel]
+        event = ", ".join(f"{s.dtype}{list(s.shape)}" for s in jtu.tree_leaves(info.lane_struct()))
+        raise ValueError(
+            f"eqx_logs.spool: key {key!r} (logged at {_site_list(info.sites)}) needs a "
+            f"{type(reduction).__name__} buffer of {_gib(nbytes)} for its {channel} "
+            f"({self._bounds[key]} events of {event}), more than the "
+            f"{_gib(limit)} of memory the device has. Keep fewer events (`interval=k`, in "
+            "spool or the Policy), reduce them on the device (`reduce='mean'`, a "
+            "`eqx_logs.Window`, a `eqx_logs.Histogram`), or keep the first or last N "
+            "(`reduce=eqx_logs.Stack(capacity=N)`)."
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+@functools.cache
+def _memory_limit() -> int | None:
+    """The default device's memory in bytes (for a CPU: the host's), or None if unknown."""
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    if jax.devices()[0].platform != "cpu":
+        return None
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # A channel state not made yet (`Interpreter._init`).

@@ -124,3 +124,30 @@ def test_unbounded_loop_message_names_fori_loop_with_traced_bounds():
     msg = str(info.value)
     assert "key 'c'" in msg and "fori_loop` whose bounds are traced" in msg, msg
     assert "Stack(capacity=N)" in msg
+
+
+def test_a_buffer_larger_than_the_device_fails_at_trace_time():
+    """A 1000x1000 value in a 100,000-step scan: 372.5 GiB of stack. Found by `eval_shape`
+    (nothing runs, nothing is allocated), naming the key, the size and the fixes; with
+    `interval=1000` it fits."""
+
+    def f(x):
+        def body(c, i):
+            eqx_logs.log({"big": {"w": c}}, step=i)
+            return c + 1, None
+
+        return lax.scan(body, x, jnp.arange(100_000))[0]
+
+    from eqx_logs._interpret import _memory_limit
+
+    assert _memory_limit() < 372 * 2**30  # the device (here the host: a CPU) has less
+    x = jax.ShapeDtypeStruct((1000, 1000), jnp.float32)
+    with pytest.raises(ValueError) as info:
+        jax.eval_shape(eqx_logs.spool(f), x)
+    msg = str(info.value)
+    gib = 100_000 * 1000 * 1000 * 4 / 2**30
+    assert "key 'big'" in msg and f"Stack buffer of {gib:.1f} GiB" in msg, msg
+    assert "100000 events of float32[1000, 1000]" in msg, msg
+    assert "`interval=k`" in msg and "reduce='mean'" in msg and "capacity=N" in msg
+    _, logs = jax.eval_shape(eqx_logs.spool(f, interval=1000), x)
+    assert logs["big"]["w"].shape == (100, 1000, 1000)
