@@ -342,9 +342,33 @@ def test_compose_logger(overrides, cls, fields):
 )
 def test_every_process_is_a_logger_key(name):
     # a key of every logger config (multi-process runs), off by default
-    assert instantiate(compose_cfg(f"logger={name}").logger).every_process is False
-    logger = instantiate(compose_cfg(f"logger={name}", "logger.every_process=true").logger)
-    assert logger.every_process is True
+    extra = ["logger.mode=offline"] if name == "wandb" else []  # no W&B login here
+    assert instantiate(compose_cfg(f"logger={name}", *extra).logger).every_process is False
+    cfg = compose_cfg(f"logger={name}", "logger.every_process=true", *extra)
+    assert instantiate(cfg.logger).every_process is True
+
+
+def test_wandb_online_without_a_login_fails_before_training(tmp_path):
+    """`logger=wandb` (online) where W&B has no credentials: the run stops when the logger is
+    made, before the first step, and says how to log offline."""
+    env = _env()
+    env.pop("WANDB_API_KEY", None)
+    env.pop("WANDB_MODE", None)
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN), *SHORT, f"hydra.run.dir='{tmp_path / 'run'}'"]
+        + ["logger=wandb"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "needs a login" in output and "logger.mode=offline" in output, output
+    assert not re.search(r"^loss ", proc.stdout, re.M)  # failed before training
+    assert not (tmp_path / "run" / "wandb").exists()
 
 
 def test_jsonl_logger_path_override_writes_there(tmp_path):

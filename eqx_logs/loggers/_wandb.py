@@ -40,7 +40,17 @@ class WandbLogger(AbstractLogger):
     step: str = "step"
 
     def __check_init__(self):
-        require("wandb", "wandb", "WandbLogger")
+        wandb = require("wandb", "wandb", "WandbLogger")
+        mode = self.mode or os.environ.get("WANDB_MODE") or "online"
+        # online without credentials: W&B would fail at the first write, after a chunk of
+        # training; say so now (no network: the key is looked up, not verified)
+        if mode == "online" and not wandb.login(prompt=False, verify=False):
+            raise RuntimeError(
+                "WandbLogger: W&B's online mode needs a login (`wandb login`, or the "
+                "WANDB_API_KEY environment variable), and none was found. To log locally and "
+                "`wandb sync` later, pass mode='offline' (Hydra: logger.mode=offline, or "
+                "WANDB_MODE=offline)."
+            )
 
     def _open(self, run: int) -> tuple[Any, dict[str, int]]:
         wandb = require("wandb", "wandb", "WandbLogger")
