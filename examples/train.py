@@ -29,7 +29,9 @@ written with `logger.write`, and the first value with a NaN or an infinity is re
 step, pass, where it was logged).
 """
 
+import logging
 import os
+import sys
 
 import equinox as eqx
 import hydra
@@ -42,6 +44,10 @@ from omegaconf import DictConfig
 import eqx_logs
 import eqx_logs.config  # noqa: F401  (registers the structured configs)
 import eqx_logs.loggers
+
+# The summary goes through Python's logging: Hydra writes it to the console and to the run's
+# `train.log` (examples/conf/config.yaml: plain lines on the console).
+log = logging.getLogger(__name__)
 
 
 class MLP(eqx.Module):
@@ -104,6 +110,7 @@ def dataset(key, batch):
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    logging.getLogger("jax").setLevel(logging.WARNING)  # not JAX's search for a TPU
     policy = instantiate(cfg.logging)
     instrumentation = instantiate(cfg.instrument)  # `model -> model`, as configured
     train = cfg.train
@@ -142,30 +149,32 @@ def main(cfg: DictConfig) -> float:
                     nonfinite = (start, logs.first_nonfinite)
     # leaving the `with` block waited for the writer thread and closed the files
     final = float(loss_fn(model, x, y))
-    print(f"loss {first:.4f} -> {final:.4f} after {train.steps} steps")
+    log.info(f"loss {first:.4f} -> {final:.4f} after {train.steps} steps")
     how = "tap" if train.stream else type(policy.reduce).__name__
-    print(
+    log.info(
         f"logged with {how}, interval={policy.interval}, window={policy.window}, "
         f"tags={policy.tags}, exclude={policy.exclude}"
     )
-    print(f"instrumented: {instrumentation.describe()}")
+    log.info(f"instrumented: {instrumentation.describe()}")
     if policy.first_nonfinite:
         if nonfinite is None:
-            print("first non-finite value: none, every logged value is finite")
+            log.info("first non-finite value: none, every logged value is finite")
         else:
             start, event = nonfinite
             # the keys logged with `step=` carry it; instrument's are placed by the scan's
             # iteration within the chunk
             step = event.steps.get("step", start + event.iterations[0])
-            print(f"step {step}: {event}")
+            log.info(f"step {step}: {event}")
     out = HydraConfig.get().runtime.output_dir
     where = getattr(logger, "path", None) or getattr(logger, "logdir", None)
     if where is not None:
-        print(f"written to {os.path.join(out, where)}")
+        log.info(f"written to {os.path.join(out, where)}")
+        if isinstance(logger, eqx_logs.loggers.JsonlLogger):
+            log.info(f"next: {sys.executable} -m eqx_logs plot {out} -o curves.png")
     elif isinstance(logger, eqx_logs.loggers.ConsoleLogger):
-        print("written to the console")
+        log.info("written to the console")
     else:
-        print(f"written by {type(logger).__name__} in {out}")
+        log.info(f"written by {type(logger).__name__} in {out}")
     return final
 
 

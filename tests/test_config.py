@@ -844,6 +844,20 @@ def test_tensorboard_run_reads_back(train_run, debug):
         np.testing.assert_allclose([e.value for e in events], ref[key][::10], rtol=1e-5)
 
 
+def test_the_summary_is_logged_and_names_the_next_step(train_run):
+    """The run's summary is the first thing printed (not JAX's search for a TPU), and Hydra's
+    `train.log` holds it too; it ends with the plot command, which the plot test runs."""
+    run = train_run("default").ok()
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("loss "), run.stdout
+    assert "tpu" not in (run.stdout + run.stderr).lower()
+    plot = f"next: {sys.executable} -m eqx_logs plot {run.out} -o curves.png"
+    assert lines[-1] == plot, run.stdout
+    log = (run.out / "train.log").read_text()
+    for line in lines:  # each with Hydra's time and logger name in the file
+        assert re.search(rf"\]\[__main__\]\[INFO\] - {re.escape(line)}$", log, re.M), log
+
+
 def test_plot_cli_draws_the_default_run(train_run, tmp_path):
     run = train_run("default").ok()
     out = tmp_path / "curves.png"
