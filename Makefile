@@ -8,7 +8,7 @@ PYTHON ?= python3
 # pyenv installs put python3.12 outside PATH on some machines; fall back to those.
 PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test312 bench lint clean
+.PHONY: demo test test-fast test312 bench lint docs clean
 
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
@@ -51,8 +51,13 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_instrument.py
 
 lint: .venv/.installed
-	.venv/bin/ruff check eqx_logs hydra_plugins tests examples benchmarks
-	.venv/bin/ruff format --check eqx_logs hydra_plugins tests examples benchmarks
+	.venv/bin/ruff check eqx_logs hydra_plugins tests examples benchmarks docs
+	.venv/bin/ruff format --check eqx_logs hydra_plugins tests examples benchmarks docs
+
+# The documentation site (mkdocs.yml, docs/) into site/. Strict: a broken link or
+# cross-reference fails the build. `.venv/bin/mkdocs serve` serves it while you edit.
+docs: .venv/.installed
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -d site
 
 clean:
 	rm -rf .venv .venv312
