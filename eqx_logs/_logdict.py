@@ -182,7 +182,7 @@ class NonfiniteEvent:
     - `key`: its key;
     - `event`: its index among the key's events (those an `interval` skips counted);
     - `steps`: the step values logged with it (`{"step": 17}`);
-    - `site`: the `eqx_logs.log` call (file:line) that logged it;
+    - `site`: the [`eqx_logs.log`][] call (file:line) that logged it;
     - `backward`: whether it was logged in the backward pass (`log_grad`, and
       `instrument(..., grads=True)`'s cotangent statistics);
     - `iterations`: the iteration each loop (`lax.scan`, `lax.while_loop`, `fori_loop`)

@@ -38,14 +38,14 @@ def sow(
     tags: str | tuple[str, ...] = (),
     **steps: int | ArrayLike,
 ) -> PyTree[ArrayLike]:
-    """Log `x` under `name`, as `eqx_logs.log` does, and return it; `eqx_logs.plant` can
+    """Log `x` under `name`, as [`eqx_logs.log`][] does, and return it; [`eqx_logs.plant`][] can
     replace what it returns.
 
     **Arguments:**
 
     - `name`: the key (scopes apply).
     - `x`: a pytree of arrays.
-    - `tags`, `**steps`: as for `eqx_logs.log`.
+    - `tags`, `**steps`: as for [`eqx_logs.log`][].
 
     **Returns:**
 
@@ -191,11 +191,11 @@ def _compat_name(fun: Callable) -> str:
 
 
 def plant(fun: Callable[..., _T], values: Mapping[str, PyTree[ArrayLike]]) -> Callable[..., _T]:
-    """`fun` with the values sown (`eqx_logs.sow`) under some keys replaced.
+    """`fun` with the values sown ([`eqx_logs.sow`][]) under some keys replaced.
 
     **Arguments:**
 
-    - `fun`: a function that calls `eqx_logs.sow`, at any depth (a model, a scan body).
+    - `fun`: a function that calls [`eqx_logs.sow`][], at any depth (a model, a scan body).
     - `values`: a dict from key to the value to plant: with the sown value's shape (the
         same for every event of the key), or with a leading axis of one row per event, in
         the order a spool stacks them (so a `LogDict` from `spool(f)` replays: under a

@@ -85,7 +85,7 @@ class Policy(eqx.Module):
     **Arguments:**
 
     - `reduce`: the default reduction: a name (`"stack"`, `"mean"`, `"last"`, ...) or an
-        `eqx_logs.AbstractReduction`.
+        [`eqx_logs.AbstractReduction`][].
     - `interval`: keep every `interval`-th event of each key (events 0, k, 2k, ...).
     - `window`: shorthand for `Window(window, reduce)` on every key.
     - `tags`: None keeps all events; otherwise only events carrying one of these tags.

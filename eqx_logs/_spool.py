@@ -38,15 +38,15 @@ def spool(
     across: str | tuple[str, ...] | None = None,
     first_nonfinite: bool | None = None,
 ) -> Callable[..., tuple[_T, LogDict]]:
-    """Capture every `eqx_logs.log` event of `fun` and return them with its output.
+    """Capture every [`eqx_logs.log`][] event of `fun` and return them with its output.
 
     **Arguments:**
 
     - `fun`: the function. `spool` also works as a bare decorator or with options only:
         `@eqx_logs.spool` or `@eqx_logs.spool(tags="train")`.
-    - `policy`: an `eqx_logs.Policy`; the keywords below override its fields.
+    - `policy`: an [`eqx_logs.Policy`][]; the keywords below override its fields.
     - `reduce`: the default reduction, a name (`"stack"`, `"mean"`, `"last"`, ...) or an
-        `eqx_logs.AbstractReduction` (`Stack(capacity=...)` for logs inside while loops).
+        [`eqx_logs.AbstractReduction`][] (`Stack(capacity=...)` for logs inside while loops).
     - `interval`: keep every `interval`-th event of each key (events 0, k, 2k, ...).
     - `window`: reduce each run of `window` events and stack the results.
     - `tags`: keep only events carrying at least one of these tags (None keeps all).
@@ -57,10 +57,10 @@ def spool(
     - `key`: a `jax.random.key` for sampling reductions.
     - `across`: manual mesh axes (`jax.shard_map`, `jax.pmap`) or named `jax.vmap` axes to
         merge the devices' (lanes') results over, with each reduction's `merge` (see
-        `eqx_logs.Policy`). By default a key logged inside a shard_map has one output axis per
+        [`eqx_logs.Policy`][]). By default a key logged inside a shard_map has one output axis per
         manual mesh axis, after the event axis.
     - `first_nonfinite`: also report the first event, in execution order, with a NaN or
-        infinite element, as `logs.first_nonfinite` (see `eqx_logs.Policy`).
+        infinite element, as `logs.first_nonfinite` (see [`eqx_logs.Policy`][]).
 
     **Returns:**
 
@@ -233,7 +233,7 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
-    """`fun` with every `eqx_logs.log` inside it removed.
+    """`fun` with every [`eqx_logs.log`][] inside it removed.
 
     **Arguments:**
 

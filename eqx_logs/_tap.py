@@ -451,7 +451,7 @@ def tap(
     exclude: Any = None,
     prefix: str | None = None,
 ) -> Callable[..., _T]:
-    """Stream every `eqx_logs.log` event of `fun` to `callback(logs, steps)` on the host, in
+    """Stream every [`eqx_logs.log`][] event of `fun` to `callback(logs, steps)` on the host, in
     execution order, as it happens (inside jit, scan, while, cond).
 
     **Arguments:**

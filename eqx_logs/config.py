@@ -35,6 +35,10 @@ _M = TypeVar("_M")
 
 @dataclass
 class PolicyConfig:
+    """The schema of the `logging` group (`eqx_logs/logging/base`): the fields of an
+    [`eqx_logs.Policy`][], instantiated by [`eqx_logs.config.policy`][] (`seed` gives the
+    policy's `key`; `config_key` names the group in error messages)."""
+
     _target_: str = "eqx_logs.config.policy"
     _convert_: str = "all"  # plain containers, and nested `_target_` reductions kept as modules
     reduce: Any = "stack"
@@ -52,6 +56,10 @@ class PolicyConfig:
 
 @dataclass
 class InstrumentConfig:
+    """The schema of the `instrument` group (`eqx_logs/instrument/base`): the options of
+    [`eqx_logs.instrument`][] and `enabled`, instantiated by
+    [`eqx_logs.config.instrumentation`][]."""
+
     _target_: str = "eqx_logs.config.instrumentation"
     _convert_: str = "all"
     enabled: bool = False
@@ -69,24 +77,32 @@ class _LoggerConfig:
 
 @dataclass
 class ConsoleLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/console`: a [`eqx_logs.loggers.ConsoleLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.ConsoleLogger"
     last_only: bool = False
 
 
 @dataclass
 class JsonlLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/jsonl`: a [`eqx_logs.loggers.JsonlLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.JsonlLogger"
     path: str = "logs.jsonl"
 
 
 @dataclass
 class ArrayLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/array`: an [`eqx_logs.loggers.ArrayLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.ArrayLogger"
     path: str = "arrays"
 
 
 @dataclass
 class TensorBoardLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/tensorboard`: a [`eqx_logs.loggers.TensorBoardLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.TensorBoardLogger"
     logdir: str = "tensorboard"
     step: str = "step"
@@ -94,6 +110,8 @@ class TensorBoardLoggerConfig(_LoggerConfig):
 
 @dataclass
 class WandbLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/wandb`: a [`eqx_logs.loggers.WandbLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.WandbLogger"
     project: str | None = None
     name: str = "eqx_logs"
@@ -104,6 +122,8 @@ class WandbLoggerConfig(_LoggerConfig):
 
 @dataclass
 class MLflowLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/mlflow`: an [`eqx_logs.loggers.MLflowLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.MLflowLogger"
     tracking_uri: str = "sqlite:///mlflow.db"
     experiment: str = "eqx_logs"
@@ -113,6 +133,8 @@ class MLflowLoggerConfig(_LoggerConfig):
 
 @dataclass
 class ProgressLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/progress`: a [`eqx_logs.loggers.ProgressLogger`][]."""
+
     _target_: str = "eqx_logs.loggers.ProgressLogger"
     total: int | None = None
     desc: str | None = None
@@ -144,10 +166,10 @@ def policy(
     first_nonfinite: bool = False,
     config_key: str = "logging",
 ) -> Policy:
-    """An `eqx_logs.Policy` from config values (OmegaConf lists become tuples). A bad value
+    """An [`eqx_logs.Policy`][] from config values (OmegaConf lists become tuples). A bad value
     raises a `ValueError` naming the config key and the value, e.g. `logging.interval=0`.
 
-    **Arguments:** as `eqx_logs.Policy`, except `seed` (an int; the policy's `key` is
+    **Arguments:** as [`eqx_logs.Policy`][], except `seed` (an int; the policy's `key` is
     `jax.random.key(seed)`), and `config_key`, the name used in error messages.
     """
 
@@ -239,7 +261,7 @@ def instrumentation(
     """An `Instrumentation` from config values. A bad value raises a `ValueError` naming the
     config key and the value, e.g. `instrument.stats=['foo']: unknown statistic(s) ...`.
 
-    **Arguments:** as `eqx_logs.instrument` (`where`: a path pattern or a list of them, not a
+    **Arguments:** as [`eqx_logs.instrument`][] (`where`: a path pattern or a list of them, not a
     function), plus `enabled` (false: the model is left as it is) and `config_key`, the name
     used in error messages.
     """
@@ -274,7 +296,7 @@ def instrumentation(
 
 
 def multi_logger(*loggers: Any) -> Any:
-    """An `eqx_logs.loggers.MultiLogger` from logger configs (with `_recursive_: false`, so
+    """An [`eqx_logs.loggers.MultiLogger`][] from logger configs (with `_recursive_: false`, so
     that OmegaConf does not turn the instantiated loggers, which are dataclasses, back into
     dicts)."""
     from hydra.utils import instantiate
@@ -285,6 +307,8 @@ def multi_logger(*loggers: Any) -> Any:
 
 
 def register_configs() -> None:
+    """Store the schemas above in Hydra's ConfigStore (done when `eqx_logs.config` is
+    imported)."""
     cs = ConfigStore.instance()
     # under eqx_logs/: schemas to extend (`- /eqx_logs/logging/base@_here_`), not options of
     # the groups `logging`, `logger` and `instrument` themselves

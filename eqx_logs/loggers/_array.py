@@ -25,7 +25,7 @@ class ArrayLogger(AbstractLogger):
     `path/run_<run>/<key>/<index>.npz` (the key made safe by `unique_name`). Float types numpy
     lacks (bfloat16, ...) are saved as float32. Each file is written to a temporary name and then
     renamed, so a crash never leaves a half-written file. Appends to existing runs. Read back
-    with `eqx_logs.loggers.read_arrays` (which never unpickles).
+    with [`eqx_logs.loggers.read_arrays`][] (which never unpickles).
 
     **Arguments:**
 

@@ -280,10 +280,10 @@ class AbstractLogger(eqx.Module):
         across: str | tuple[str, ...] | None = None,
         first_nonfinite: bool | None = None,
     ) -> Callable[..., _T]:
-        """`fun`, spooled as by `eqx_logs.spool` (same options); the logs are written to
+        """`fun`, spooled as by [`eqx_logs.spool`][] (same options); the logs are written to
         `state`'s run when the call completes, and `fun`'s output is returned. With
         `first_nonfinite`, a call whose logs hold a NaN or infinity warns
-        (`eqx_logs.loggers.NonfiniteWarning`) with the first such event."""
+        ([`eqx_logs.loggers.NonfiniteWarning`][]) with the first such event."""
         policy = with_options(
             policy,
             "logger.spool",
@@ -313,7 +313,7 @@ class AbstractLogger(eqx.Module):
         exclude: Any = None,
         prefix: str | None = None,
     ) -> Callable[..., _T]:
-        """`fun`, tapped as by `eqx_logs.tap`: each event is written to `state`'s run as it
+        """`fun`, tapped as by [`eqx_logs.tap`][]: each event is written to `state`'s run as it
         happens (`interval=k` writes every k-th event of each key, gated on the device)."""
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
@@ -322,7 +322,7 @@ class AbstractLogger(eqx.Module):
         )
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
-        """Write `logs` (as returned by `eqx_logs.spool`) to `state`'s run (default run 0)."""
+        """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0)."""
         self._check()
         self._spool_host(self.init() if state is None else state, logs)
 

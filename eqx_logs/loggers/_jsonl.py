@@ -15,7 +15,7 @@ class JsonlLogger(AbstractLogger):
     Appends to an existing file. Every write is flushed to the operating system, so a crash of
     the process loses only events not yet written; the file is also fsynced at most every
     `fsync_every` seconds and on close, so a crash of the machine loses at most that long.
-    Read it back with `eqx_logs.loggers.read_jsonl`.
+    Read it back with [`eqx_logs.loggers.read_jsonl`][].
 
     **Arguments:**
 
