@@ -173,6 +173,7 @@ def test_strict_build_fails_on_a_broken_reference(tmp_path):
     for name in ("mkdocs.yml", "README.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(DOCS, tmp_path / "docs")
+    (tmp_path / "eqx_logs").symlink_to(ROOT / "eqx_logs")  # the API's source (and `watch`)
     page = tmp_path / "docs" / "tap.md"
     page.write_text(page.read_text() + "\nSee [`eqx_logs.no_such_name`][].\n")
     result = _build(tmp_path, tmp_path / "site")
