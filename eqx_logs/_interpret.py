@@ -1026,6 +1026,12 @@ class Interpreter:
                         steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
         logs._rows_are_counts = frozenset(same)
+        # counts known now and equal share one output (`LogDict._count_groups`)
+        known: dict[Any, list[str]] = {}
+        for name, c in count.items():
+            if _known(c):
+                known.setdefault((c.shape, c.dtype.str, c.tobytes()), []).append(name)
+        logs._count_groups = tuple(tuple(g) for g in known.values() if len(g) > 1)
         if first is not None:
             logs._nonfinite = (self._first.finish(first["value"]), self._first.tables())
         return outs, logs

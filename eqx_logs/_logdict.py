@@ -24,7 +24,15 @@ class LogDict(dict):
     through `jax.jit` and `eqx.filter_jit` as an output.
     """
 
-    __slots__ = ("_count", "_steps", "_reductions", "_rows", "_rows_are_counts", "_nonfinite")
+    __slots__ = (
+        "_count",
+        "_steps",
+        "_reductions",
+        "_rows",
+        "_rows_are_counts",
+        "_count_groups",
+        "_nonfinite",
+    )
 
     def __init__(
         self,
@@ -42,6 +50,9 @@ class LogDict(dict):
         # keys whose rows are their count (both known at trace time, as in straight-line code
         # and scans): one leaf for both, so a jitted spool has one output for them, not two
         self._rows_are_counts: frozenset[str] = frozenset()
+        # keys whose counts were known at trace time and equal: one leaf for each group, so
+        # a jitted spool returns one count for them (an output costs a buffer every call)
+        self._count_groups: tuple[tuple[str, ...], ...] = ()
         # `spool(first_nonfinite=True)`: (arrays, (keys, sites, step names)), else None
         self._nonfinite: tuple[dict[str, Any], tuple] | None = None
         # step name -> {key -> stacked step values}
@@ -129,8 +140,11 @@ class LogDict(dict):
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
         shared = tuple(k for k in keys if k in self._rows_are_counts)
         row_keys = tuple(k for k in keys if k in self._rows and k not in shared)
+        groups = tuple(g for g in self._count_groups if all(k in self for k in g))
+        followers = {k for g in groups for k in g[1:]}
+        counted = tuple(k for k in keys if k not in followers)
         children = [self[k] for k in keys]
-        children += [self._count[k] for k in keys]
+        children += [self._count[k] for k in counted]
         children += [self._rows[k] for k in row_keys]
         for name, per_key in step_names:
             children += [self._steps[name][k] for k in per_key]
@@ -140,13 +154,14 @@ class LogDict(dict):
             arrays, tables = self._nonfinite
             nonfinite = (tuple(arrays), tables)
             children += list(arrays.values())
-        return children, (keys, step_names, reductions, row_keys, shared, nonfinite)
+        return children, (keys, step_names, reductions, row_keys, shared, nonfinite, groups)
 
     def tree_flatten_with_keys(self):
         children, aux = self.tree_flatten()
-        keys, step_names, _, row_keys, _, nonfinite = aux
+        keys, step_names, _, row_keys, _, nonfinite, groups = aux
+        followers = {k for g in groups for k in g[1:]}
         paths = [jtu.DictKey(k) for k in keys]
-        paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys]
+        paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys if k not in followers]
         paths += [jtu.GetAttrKey(f"rows[{k!r}]") for k in row_keys]
         for name, per_key in step_names:
             paths += [jtu.GetAttrKey(f"{name}[{k!r}]") for k in per_key]
@@ -157,12 +172,17 @@ class LogDict(dict):
     @classmethod
     def tree_unflatten(cls, aux, children):
         # without `__init__`'s copies: JAX and Equinox unflatten an output several times a call
-        keys, step_names, reductions, row_keys, shared, nonfinite = aux
+        keys, step_names, reductions, row_keys, shared, nonfinite, groups = aux
         n = len(keys)
         self = cls.__new__(cls)
         dict.update(self, zip(keys, children[:n]))
-        self._count = dict(zip(keys, children[n : 2 * n]))
-        rest = iter(children[2 * n :])
+        followers = {k for g in groups for k in g[1:]}
+        rest = iter(children[n:])
+        self._count = {k: next(rest) for k in keys if k not in followers}
+        for first, *others in groups:
+            self._count.update(dict.fromkeys(others, self._count[first]))
+        self._count = {k: self._count[k] for k in keys}  # in the keys' order
+        self._count_groups = groups
         self._rows = {k: next(rest) for k in row_keys}
         self._rows.update({k: self._count[k] for k in shared})
         self._rows_are_counts = frozenset(shared)
@@ -217,12 +237,14 @@ def _serialize_aux(aux) -> bytes:
 
 
 def _deserialize_aux(data: bytes):
-    keys, step_names, reductions, row_keys, shared, nonfinite = json.loads(data.decode())
+    keys, step_names, reductions, row_keys, shared, nonfinite, groups = json.loads(data.decode())
     step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
     if nonfinite is not None:
         names, tables = nonfinite
         nonfinite = (tuple(names), tuple(tuple(t) for t in tables))
-    return tuple(keys), step_names, tuple(reductions), tuple(row_keys), tuple(shared), nonfinite
+    groups = tuple(tuple(g) for g in groups)
+    keys, reductions = tuple(keys), tuple(reductions)
+    return keys, step_names, reductions, tuple(row_keys), tuple(shared), nonfinite, groups
 
 
 # `jax.export` of a spooled function: its outputs include a LogDict.

@@ -32,55 +32,60 @@ STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
     """The statistics `stats` of all of `x`, in at least float32, in as few passes over `x`
-    as a CPU makes (it runs each reduction as a loop of its own): its sum, its sum of squares
-    and its largest magnitude, and only where those cannot serve, more.
+    as a CPU makes (it runs each reduction as a loop of its own, and writes out an
+    elementwise array that two reductions share):
 
-    - A finite array has finite statistics: where the sum of squares could overflow (values
-      past about 1e16), those built on sums are taken of `x / absmax` and scaled back; only a
-      NaN or an infinity in `x` makes them non-finite, so `first_nonfinite` finds the value,
-      not its statistic.
-    - `std` from the two sums, unless the mean dwarfs the spread (then in two passes).
-    - `nonfinite` is 0 where the largest magnitude is finite, and counted only where not.
+    - the common case takes `max |x|`, `sum x` and `sum x**2`: reductions of `x` itself, each
+      with its elementwise operation fused in, so nothing the size of `x` is written;
+    - one `lax.cond` goes to a careful path where those cannot serve: `x` has a NaN or an
+      infinity (then `nonfinite` counts them, and the other statistics are not finite), the
+      sums overflow (values past about 1e16) or the squares underflow (below about 1e-19),
+      or the mean dwarfs the spread (the variance from the two sums would cancel). It scales
+      `x` by a power of two (exactly) and takes the variance around the mean. So a finite array has finite statistics,
+      and `first_nonfinite` finds the value, not its statistic.
     """
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
-    n, limit = x.size, float(np.sqrt(np.finfo(x.dtype).max / max(x.size, 1)) / 2)
+    n = x.size
     absmax = jnp.max(jnp.abs(x))
-    finite = jnp.isfinite(absmax)
+    zero = jnp.zeros((), x.dtype)
     out: dict[str, Array] = {"absmax": absmax}
-    if need & {"mean", "std", "rms", "norm"}:
+    if need & {"mean", "std", "rms", "norm", "nonfinite"}:
+        total = jnp.sum(x) if need & {"mean", "std"} else zero
+        squares = jnp.sum(jnp.square(x)) if need & {"std", "rms", "norm"} else zero
+        mean, square = total / n, squares / n
+        var = jnp.maximum(square - mean * mean, 0)
+        ok = jnp.isfinite(absmax) & jnp.isfinite(total) & jnp.isfinite(squares)
+        if need & {"std", "rms", "norm"}:  # squares of tiny values lose their digits
+            ok = ok & ((square >= jnp.finfo(x.dtype).tiny) | (absmax == 0))
+        if "std" in need:
+            ok = ok & (var >= 1e-3 * square)  # else the one-pass variance cancels
 
-        def moments(x, scale):
-            y = x / scale
-            mean = jnp.sum(y) / n if need & {"mean", "std"} else jnp.zeros((), x.dtype)
-            square = jnp.sum(y * y) / n if need & {"std", "rms", "norm"} else mean
-            var = jnp.maximum(square - mean * mean, 0)
-            if "std" in need:  # cancellation: the two-pass variance
-                var = lax.cond(
-                    var < 1e-3 * square, lambda: jnp.mean(jnp.square(y - mean)), lambda: var
-                )
-            return [scale * mean, scale * jnp.sqrt(var), scale * jnp.sqrt(square)]
+        def quick():
+            return mean, jnp.sqrt(var), jnp.sqrt(square), jnp.zeros((), jnp.int32)
 
-        scale = jnp.where(jnp.logical_and(finite, absmax > 0), absmax, jnp.ones_like(absmax))
-        one = jnp.ones_like(absmax)
-        mean, std, rms = lax.cond(
-            jnp.logical_and(finite, absmax <= limit),
-            lambda: moments(x, one),
-            lambda: moments(x, scale),
-        )
-        out.update(mean=mean, std=std, rms=rms, norm=rms * np.sqrt(n))
+        def careful():
+            finite = jnp.isfinite(absmax)
+            # 2**-e with `absmax < 2**e`, between 2**-126 and 2**126: exact, no subnormals
+            e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, 1))[1]
+            scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
+            y = x * scale
+            m = jnp.sum(y) / n
+            d = y - m
+            # around the computed mean, corrected for its rounding error
+            var = jnp.maximum(jnp.sum(jnp.square(d)) / n - jnp.square(jnp.sum(d) / n), 0)
+            count = jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if inexact else 0
+            nonfinite = jnp.where(finite, 0, count).astype(jnp.int32)
+            rms = jnp.sqrt(var + jnp.square(m)) / scale
+            return m / scale, jnp.sqrt(var) / scale, rms, nonfinite
+
+        mean, std, rms, nonfinite = lax.cond(ok, quick, careful)
+        out.update(mean=mean, std=std, rms=rms, norm=rms * np.sqrt(n), nonfinite=nonfinite)
     if "min" in need:
         out["min"] = jnp.min(x)
     if "max" in need:
         out["max"] = jnp.max(x)
-    if "nonfinite" in need:
-        zero = jnp.zeros((), jnp.int32)
-        out["nonfinite"] = (
-            lax.cond(finite, lambda: zero, lambda: jnp.sum(~jnp.isfinite(x), dtype=jnp.int32))
-            if inexact
-            else zero
-        )
     return [out[name] for name in stats]
 
 
