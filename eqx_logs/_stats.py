@@ -41,8 +41,8 @@ def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
       infinity (then `nonfinite` counts them, and the other statistics are not finite), the
       sums overflow (values past about 1e16) or the squares underflow (below about 1e-19),
       or the mean dwarfs the spread (the variance from the two sums would cancel). It scales
-      `x` by a power of two (exactly) and takes the variance around the mean. So a finite array has finite statistics,
-      and `first_nonfinite` finds the value, not its statistic.
+      `x` by a power of two (exactly) and takes the variance around the mean. So a finite
+      array has finite statistics, and `first_nonfinite` finds the value, not its statistic.
     """
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
