@@ -1186,11 +1186,15 @@ def _gib(n: int) -> str:
 
 @functools.cache
 def _memory_limit() -> int | None:
-    """The default device's memory in bytes (for a CPU: the host's), or None if unknown."""
-    stats = jax.devices()[0].memory_stats() or {}
+    """This process's first device's memory in bytes (for a CPU: the host's), or None if
+    unknown."""
+    # this process's own device: asking another process's (`jax.devices()[0]` in a
+    # `jax.distributed` run) upsets the collectives of the run
+    device = jax.local_devices()[0]
+    stats = device.memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"])
-    if jax.devices()[0].platform != "cpu":
+    if device.platform != "cpu":
         return None
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
