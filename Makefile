@@ -25,20 +25,23 @@ PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --versi
 demo: .venv/.installed
 	.venv/bin/python examples/train.py
 
-# The random-program oracles run in a process of their own: one process compiling every
+# The random-program oracles run in processes of their own: one process compiling every
 # test's programs once crashed inside XLA's compiler (jax 0.10.2, after ~800 tests).
 ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
+# Two workers (pytest-xdist), each taking a whole test file at a time (so a file's
+# module-scoped fixtures, such as its Hydra runs, are made once).
+WORKERS = -n 2 --dist loadfile
 
 test: .venv/.installed
-	.venv/bin/python -m pytest -q $(addprefix --ignore=,$(ORACLES))
-	.venv/bin/python -m pytest -q $(ORACLES)
+	.venv/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
+	.venv/bin/python -m pytest -q $(WORKERS) $(ORACLES)
 
 test-fast: .venv/.installed
-	.venv/bin/python -m pytest -q -m fast
+	.venv/bin/python -m pytest -q $(WORKERS) -m fast
 
 test312: .venv312/.installed
-	.venv312/bin/python -m pytest -q $(addprefix --ignore=,$(ORACLES))
-	.venv312/bin/python -m pytest -q $(ORACLES)
+	.venv312/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
+	.venv312/bin/python -m pytest -q $(WORKERS) $(ORACLES)
 
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_core.py

@@ -1370,8 +1370,8 @@ def _index_inside_and_outside_batched_cond(x):
     strict=True,
     raises=ValueError,
     reason="eqx_logs: under spool(vmap(f)) a key logged with an unbatched value both outside "
-    "and inside a cond with a batched predicate raises 'logged with shape (2,) and with "
-    "shape ()', while vmap(spool(f)) works",
+    "and inside a cond with a batched predicate raises 'logged with shape (2,) (at ...) and "
+    "with shape () (at ...)', while vmap(spool(f)) works",
 )
 def test_unbatched_value_inside_and_outside_a_batched_cond():
     """(Why the batched random test never logs the loop index `n`.)"""
