@@ -29,19 +29,21 @@ demo: .venv/.installed
 # test's programs once crashed inside XLA's compiler (jax 0.10.2, after ~800 tests).
 ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # Two workers (pytest-xdist), each taking a whole test file at a time (so a file's
-# module-scoped fixtures, such as its Hydra runs, are made once).
+# module-scoped fixtures, such as its Hydra runs, are made once); the oracles' few long
+# tests are shared out one by one.
 WORKERS = -n 2 --dist loadfile
+ORACLE_WORKERS = -n 2 --dist load
 
 test: .venv/.installed
 	.venv/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	.venv/bin/python -m pytest -q $(WORKERS) $(ORACLES)
+	.venv/bin/python -m pytest -q $(ORACLE_WORKERS) $(ORACLES)
 
 test-fast: .venv/.installed
 	.venv/bin/python -m pytest -q $(WORKERS) -m fast
 
 test312: .venv312/.installed
 	.venv312/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	.venv312/bin/python -m pytest -q $(WORKERS) $(ORACLES)
+	.venv312/bin/python -m pytest -q $(ORACLE_WORKERS) $(ORACLES)
 
 bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_core.py
