@@ -473,7 +473,7 @@ def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
 
 
 def log(
-    data: dict[str, PyTree[ArrayLike]] | str = _MISSING,
+    data: dict[str, PyTree[ArrayLike]] | str | None = None,
     value: PyTree[ArrayLike] = _MISSING,
     /,
     *,
@@ -509,8 +509,8 @@ def log(
         ```
     """
     site = _call_site()
-    if data is _MISSING:
-        names = ", ".join(f"{k}=..." for k in steps) or "nothing"
+    if data is None:  # `log(loss=x)`: a value passed as a step
+        names = ", ".join(f"{k}=..." for k in steps)
         example = next(iter(steps), "loss")
         raise TypeError(
             f"eqx_logs.log({names}) at {site} logs no value: keyword arguments are step names "
