@@ -13,10 +13,9 @@ _MIN_BAR = 20  # columns the bar keeps, whatever the scalars
 class _Bar:
     """One run's bar, the latest scalars, and the steps seen (for where the run ended)."""
 
-    def __init__(self, bar: Any, desc: str | None, ncols: int | None):
+    def __init__(self, bar: Any, desc: str | None):
         self.bar = bar
-        self.desc = desc
-        self.ncols = ncols
+        self.desc = desc  # the bar's own description holds the scalars too
         self.latest: dict[str, str] = {}
         self.last_step: int | None = None
         self.spacing: int | None = None  # between the last two steps logged
@@ -28,7 +27,7 @@ class _Bar:
         names = sorted(self.latest, key=lambda k: "loss" not in k.rsplit("/", 1)[-1])
         items = [f"{k}={self.latest[k]}" for k in names]
         head = f"{self.desc}: " if self.desc else ""
-        width = self.ncols or self.bar.ncols
+        width = self.bar.ncols  # None where tqdm follows the terminal
         if width is not None and self.bar.total is not None:
             # around the bar: " 100%|" and "| <n>/<total> [00:00<00:00]" (times of an hour
             # or more take 2 columns each more)
@@ -80,7 +79,7 @@ class ProgressLogger(AbstractLogger):
             dynamic_ncols=self.ncols is None,
             bar_format=None if self.total is None else _FORMAT,
         )
-        return _Bar(bar, desc, self.ncols)
+        return _Bar(bar, desc)
 
     def _write(self, handle: _Bar, run: int, records: list[Record]):
         bar = handle.bar
