@@ -145,7 +145,8 @@ class _Spooled(eqx.Module):
             return _spool_run(self.fun, self.policy, self.keep, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         static, arrays = _split(self)
-        return _spool_call((static, current_prefix(), arrays), args, kwargs)
+        out, children, layout = _spool_call((static, current_prefix(), arrays), args, kwargs)
+        return out, LogDict.tree_unflatten(layout.value, children)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -222,6 +223,15 @@ def _split(spooled: "_Spooled") -> tuple[_Static, list[Any]]:
     return hit
 
 
+class _Layout:
+    """A LogDict's pytree aux data, as one static output of `_spool_call` (not a pytree)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
 @eqx.filter_jit
 def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     static, _, arrays = parts  # the scope (the middle part) is in the cache key only
@@ -229,7 +239,11 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     arrays = iter(arrays)
     leaves = [next(arrays) if x is None else x for x in leaves]
     fun, policy = jtu.tree_unflatten(treedef, leaves)
-    return _spool_run(fun, policy, keep, args, kwargs)
+    out, logs = _spool_run(fun, policy, keep, args, kwargs)
+    # the LogDict leaves as a list, its structure static: Equinox splits and rebuilds a
+    # list faster than a LogDict, and the caller rebuilds that once
+    children, layout = logs.tree_flatten()
+    return out, children, _Layout(layout)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
