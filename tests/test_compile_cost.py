@@ -510,3 +510,39 @@ def test_a_key_logged_only_in_a_nested_scan_that_never_runs(inner_length):
     want = [0.5 + i for i in range(3) for _ in range(2)] if inner_length else []
     assert_close(logs["h"], np.array(want, np.float32).reshape(len(want)))
     assert int(logs.count["h"]) == len(want)
+
+
+def test_eager_spool_gives_the_logdict_a_jitted_spool_gives():
+    # The eager call returns the LogDict's leaves and structure apart and rebuilds it: every
+    # part (values, counts shared by keys, rows, steps, reductions, first_nonfinite) survives.
+    def f(x):
+        eqx_logs.log({"a": x, "b": 2 * x}, step=0)
+        eqx_logs.log({"a": x + 1, "b": x}, step=1)
+
+        def body(c):
+            eqx_logs.log({"w": c}, reduce=eqx_logs.Stack(capacity=4))
+            return c * 2.0
+
+        y = jax.lax.while_loop(lambda c: c < 10.0, body, x)
+        eqx_logs.log({"m": y}, reduce="mean")
+        eqx_logs.log({"bad": jnp.log(x - 5.0)})
+        return y
+
+    spooled = eqx_logs.spool(f, first_nonfinite=True)
+    out, eager = spooled(jnp.float32(1.0))
+    out_jit, jitted = jax.jit(spooled)(jnp.float32(1.0))
+    assert_close(out, out_jit)
+    assert list(eager) == list(jitted) == ["a", "b", "w", "m", "bad"]
+    assert_close(eager["a"], [1.0, 2.0])
+    assert_close(eager["w"], [1.0, 2.0, 4.0, 8.0])
+    for part in ("count", "rows", "step", "reductions"):
+        got, want = getattr(eager, part), getattr(jitted, part)
+        assert list(got) == list(want), part
+        for k in want:
+            if part == "reductions":
+                assert got[k] == want[k]
+            else:
+                np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), part)
+    assert eager._count_groups == jitted._count_groups and eager._count_groups
+    assert eager.first_nonfinite == jitted.first_nonfinite
+    assert eager.first_nonfinite.key == "bad"
