@@ -1,6 +1,7 @@
 """instrument, log_stats, first_nonfinite: against numpy on values threaded out by hand, and
 cotangents from `jax.vjp` by hand."""
 
+import diffrax
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -723,3 +724,78 @@ def test_scope_steps_reach_every_event_through_inner_jits_and_backward_passes():
     ):
         with eqx_logs.scope(step=3):
             pass
+
+
+def test_instrument_inside_a_diffrax_solve_against_euler_by_hand():
+    # A neural ODE's vector field instrumented, solved by diffrax (Euler, 10 fixed steps, its
+    # checkpointed while loop): forward statistics per step against the activations of the
+    # same Euler steps threaded out by hand; under grad, cotangent statistics against jax.vjp
+    # of that hand-written loop, and the forward keys' events counted against the vector
+    # field's real runs (the loop re-runs steps in its backward pass).
+    stats = ("mean", "std", "absmax", "norm")
+    model = eqx.nn.MLP(3, 3, 8, 2, activation=jnp.tanh, key=jax.random.key(0))
+    im = eqx_logs.instrument(model, stats=stats, grads=True)
+    runs, dt, n = [0], 0.1, 10
+    y0 = jnp.array([0.5, -0.2, 0.1])
+
+    def solve(m, y0):
+        def field(t, y, args):
+            jax.debug.callback(lambda: runs.__setitem__(0, runs[0] + 1))
+            return m(y)
+
+        term = diffrax.ODETerm(field)
+        sol = diffrax.diffeqsolve(term, diffrax.Euler(), 0.0, n * dt, dt, y0, max_steps=16)
+        return sol.ys[-1]
+
+    def loss(m, y0):
+        return jnp.sum(solve(m, y0) ** 2)
+
+    def by_hand(eps):  # eps[step][layer] is added to that layer's output
+        y, acts = y0, []
+        for s in range(n):
+            h, outs = y, []
+            for i, layer in enumerate(model.layers):
+                h = layer(h) + eps[s][i]
+                outs.append(h)
+                if i < len(model.layers) - 1:
+                    h = model.activation(h)
+            acts.append(outs)
+            y = y + dt * h
+        return jnp.sum(y**2), acts
+
+    eps = [[jnp.zeros(layer.out_features) for layer in model.layers] for _ in range(n)]
+    _, acts = by_hand(eps)
+    _, vjp = jax.vjp(lambda e: by_hand(e)[0], eps)
+    (cts,) = vjp(jnp.ones(()))
+    layers = range(len(model.layers))
+
+    _, logs = eqx.filter_jit(eqx_logs.spool(solve, reduce=eqx_logs.Stack(capacity=16)))(im, y0)
+    jax.effects_barrier()
+    assert runs[0] == n
+    for i in layers:
+        for stat in stats:
+            key = f"layers[{i}]/{stat}"
+            assert int(logs.count[key]) == n
+            want = [np_stats(acts[s][i])[stat] for s in range(n)]
+            np.testing.assert_allclose(logs[key][:n], want, rtol=2e-5, atol=1e-6, err_msg=key)
+
+    runs[0] = 0
+    grad = eqx_logs.spool(eqx.filter_grad(loss), reduce=eqx_logs.Stack(capacity=64))
+    grads, logs = eqx.filter_jit(grad)(im, y0)
+    jax.effects_barrier()
+    assert runs[0] > n  # the checkpointed loop recomputed steps in the backward pass
+    for i in layers:
+        for stat in stats:
+            key = f"layers[{i}]/{stat}"
+            assert int(logs.count[key]) == runs[0]  # every run of the layer, as it ran
+            got = np.asarray(logs[key][: runs[0]])
+            want = np.array([np_stats(acts[s][i])[stat] for s in range(n)])
+            np.testing.assert_allclose(got[:n], want, rtol=2e-5, atol=1e-6, err_msg=key)
+            # each recomputation is one of the forward pass's steps
+            assert np.isclose(got[n:, None], want[None, :], rtol=2e-5, atol=1e-6).any(1).all()
+            key = f"layers[{i}]/grad/{stat}"
+            assert int(logs.count[key]) == n  # one backward step per forward step, last first
+            want = [np_stats(cts[s][i])[stat] for s in reversed(range(n))]
+            np.testing.assert_allclose(logs[key][:n], want, rtol=2e-5, atol=1e-7, err_msg=key)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter_grad(loss)(model, y0))):
+        assert_close(g, w)
