@@ -799,3 +799,17 @@ def test_instrument_inside_a_diffrax_solve_against_euler_by_hand():
             np.testing.assert_allclose(logs[key][:n], want, rtol=2e-5, atol=1e-7, err_msg=key)
     for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(eqx.filter_grad(loss)(model, y0))):
         assert_close(g, w)
+
+    # the forward pass alone: a spool inside the grad; the cotangents reach the one outside
+    def inner(m, y0):
+        y, logs = eqx_logs.spool(solve, reduce=eqx_logs.Stack(capacity=16))(m, y0)
+        return jnp.sum(y**2), logs
+
+    grad = eqx_logs.spool(eqx.filter_grad(inner, has_aux=True), reduce=eqx_logs.Stack(capacity=64))
+    (_, forward), backward = eqx.filter_jit(grad)(im, y0)
+    for i in layers:
+        key = f"layers[{i}]/mean"
+        assert int(forward.count[key]) == n
+        want = [np_stats(acts[s][i])["mean"] for s in range(n)]
+        np.testing.assert_allclose(forward[key][:n], want, rtol=2e-5, atol=1e-6, err_msg=key)
+        assert int(backward.count[f"layers[{i}]/grad/mean"]) == n
