@@ -80,6 +80,17 @@ class _KeyInfo:
         self.specs = [None if spec is None else spec[self.nbatch :] for spec in self.specs]
         self.nbatch, self.lanes_as_events, self.lane_names = 0, True, ()
 
+    def widen(self, batch: tuple[int, ...], names: tuple[Any, ...]) -> None:
+        """Give the unbatched key the vmap axes `batch`: a site logs it batched (or under a
+        batched mask) where its earlier sites are unbatched. Their events are broadcast along
+        the axes (`Interpreter._broadcast_site`)."""
+        self.leaves = [jax.ShapeDtypeStruct(batch + s.shape, s.dtype) for s in self.leaves]
+        self.steps = {
+            n: jax.ShapeDtypeStruct(batch + s.shape, s.dtype) for n, s in self.steps.items()
+        }
+        self.specs = [None if p is None else (None,) * len(batch) + p for p in self.specs]
+        self.nbatch, self.lane_names = len(batch), names
+
     def shard_like_values(self, state: Any) -> Any:
         """`state` (of the value channel) with each leaf that holds values of a sharded leaf
         (its last dims are that leaf's, after the batch axes) sharded the same way: under
@@ -564,25 +575,31 @@ class Interpreter:
                     f"and {info.treedef} at {_site_list(info.sites)}. Every event of one key must "
                     "have the same structure."
                 )
-            batch = avals[sub_leaves[0]].shape[:nb]
+            key_avals, key_steps, key_nb = avals, steps, nb
+            if nb != info.nbatch and not mesh and not info.lanes_as_events:
+                key_avals, key_steps, key_nb = self._broadcast_site(
+                    info, avals, sub_leaves[0], steps, nb, names
+                )
+            batch = key_avals[sub_leaves[0]].shape[:key_nb]
             if (
                 not info.lanes_as_events
-                and nb
-                and nb == info.nbatch
+                and key_nb
+                and key_nb == info.nbatch
                 and batch != info.batch_shape()
                 and all(
-                    avals[i].shape[nb:] == s.shape[nb:] for i, s in zip(sub_leaves, info.leaves)
+                    key_avals[i].shape[key_nb:] == s.shape[key_nb:]
+                    for i, s in zip(sub_leaves, info.leaves)
                 )
             ):
                 info.to_lanes_as_events()
             if info.lanes_as_events:  # compare one lane of this site's events
-                steps = {n: _unbatched(s, batch) for n, s in steps.items()}
+                key_steps = {n: _unbatched(s, batch) for n, s in key_steps.items()}
             for j, i in enumerate(sub_leaves):
-                a = avals[i]
-                shape = a.shape[nb:] if info.lanes_as_events else a.shape
+                a = key_avals[i]
+                shape = a.shape[key_nb:] if info.lanes_as_events else a.shape
                 weak = getattr(a, "weak_type", False)
                 _merge_leaf(key, info, j, shape, a.dtype, weak, site)
-            for name, s in steps.items():
+            for name, s in key_steps.items():
                 if name in info.steps and info.steps[name].shape != s.shape:
                     raise ValueError(
                         f"eqx_logs: step {name!r} of key {key!r} has shape {s.shape} at {site} "
@@ -592,6 +609,26 @@ class Interpreter:
             info.sites.append(site)
             info.reduce.append((site, params["reduce"]))
         return list(items)
+
+    @staticmethod
+    def _broadcast_site(info: _KeyInfo, avals, first: int, steps, nb: int, names):
+        """A site that logs a key unbatched where its other sites are batched, or the other
+        way round: under `spool(vmap(f))`, a value vmap leaves unbatched (a loop index)
+        logged both outside and inside a cond whose predicate is batched (the mask batches
+        the second). The key takes the batch, and the unbatched site's avals and steps are
+        returned as broadcast to it (its events are, in `_event_of`), as each lane of
+        `jax.vmap(spool(f))` sees them. `first` is the position of the key's first leaf in
+        `avals`. A site batched over some of the key's vmaps but not all is left as it is
+        (the shapes then differ: an error): unnamed vmap axes cannot be told apart."""
+        if info.nbatch == 0:
+            info.widen(avals[first].shape[:nb], names)
+            return avals, steps, nb
+        if nb == 0:
+            lead = info.batch_shape()
+            avals = [a.update(shape=lead + a.shape) for a in avals]
+            steps = {n: jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for n, s in steps.items()}
+            return avals, steps, info.nbatch
+        return avals, steps, nb
 
     # -- second pass --------------------------------------------------------------------
 
@@ -762,15 +799,15 @@ class Interpreter:
     def _event_of(self, key: str, value: Any, steps: dict[str, Any]) -> dict[str, Any]:
         """One event of `key`, cast to its recorded types: the value and every step."""
         info = self.info[key]
+        n = self._local_axes(key)
         leaves = [
-            self._lead(key, x if getattr(x, "dtype", None) == s.dtype else jnp.asarray(x, s.dtype))
+            self._lead(key, _widened(_cast(x, s.dtype), s.shape[n:]))
             for x, s in zip(jtu.tree_leaves(value), info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
-        n = self._local_axes(key)
         for name, s in info.steps.items():
             if name in steps:
-                step = self._lead(key, jnp.asarray(steps[name], s.dtype))
+                step = self._lead(key, _widened(jnp.asarray(steps[name], s.dtype), s.shape[n:]))
             else:
                 step = self._lead(key, jnp.full(s.shape[n:], -1, s.dtype))
             event[f"step:{name}"] = step
@@ -1341,6 +1378,16 @@ def _streams(reduction: Any) -> bool:
 def _known(x: Any) -> bool:
     """Whether `x` is a value known at trace time (a numpy counter, see `Interpreter._init`)."""
     return isinstance(x, np.ndarray | np.generic)
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
+
+
+def _widened(x: Any, shape: tuple[int, ...]) -> Any:
+    """An event of a site unbatched over some of its key's vmap axes, broadcast along them
+    (`Interpreter._broadcast_site`); `x` itself where it has the key's shape."""
+    return x if jnp.shape(x) == shape else jnp.broadcast_to(x, shape)
 
 
 def _as_array(x: Any) -> Any:

@@ -1366,15 +1366,11 @@ def _index_inside_and_outside_batched_cond(x):
     return lax.scan(step, x, jnp.arange(2))[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="eqx_logs: under spool(vmap(f)) a key logged with an unbatched value both outside "
-    "and inside a cond with a batched predicate raises 'logged with shape (2,) (at ...) and "
-    "with shape () (at ...)', while vmap(spool(f)) works",
-)
 def test_unbatched_value_inside_and_outside_a_batched_cond():
-    """(Why the batched random test never logs the loop index `n`.)"""
+    """The loop index, unbatched under vmap, logged outside and inside a cond whose
+    predicate is batched (its mask batches the second site): the key takes the batch, and
+    the unbatched site's events are broadcast along it, as each lane of vmap(spool(f)) sees
+    them."""
     xs = jnp.array([1.0, -2.0])
     _, outer = jax.vmap(eqx_logs.spool(_index_inside_and_outside_batched_cond))(xs)
     np.testing.assert_array_equal(outer["n"], [[0, 0, 1, 1], [0, 1, 0, 0]])
@@ -1382,3 +1378,63 @@ def test_unbatched_value_inside_and_outside_a_batched_cond():
     _, inner = eqx_logs.spool(jax.vmap(_index_inside_and_outside_batched_cond))(xs)
     np.testing.assert_array_equal(inner["n"], np.moveaxis(np.asarray(outer["n"]), 0, 1))
     np.testing.assert_array_equal(inner.count["n"], [4, 2])
+
+
+def _index_inside_then_outside_batched_cond(x):
+    def step(c, i):
+        lax.cond(x > 0, lambda: eqx_logs.log("n", i, step=i), lambda: None)  # batched first
+        eqx_logs.log("n", 10 * i, step=i)
+        return c, None
+
+    return lax.scan(step, x, jnp.arange(3))[0]
+
+
+def _index_under_two_vmaps(x):
+    def step(c, i):
+        eqx_logs.log("n", i + c)  # unbatched: c is the scan's own carry
+        lax.cond(x > 0, lambda: eqx_logs.log("n", i + 0.5), lambda: None)  # batched over both
+        return c, None
+
+    return lax.scan(step, jnp.float32(0.0), jnp.arange(2.0))[0]
+
+
+@pytest.mark.parametrize("reduce", ["stack", "mean", "last", eqx_logs.Window(2, "sum")])
+def test_sites_batched_over_fewer_vmap_axes_are_broadcast(reduce):
+    """Either order of the sites, steps included, and over one of two vmaps: spool(vmap(f))
+    gives each lane what vmap(spool(f)) does."""
+    xs = jnp.array([1.0, -2.0, 3.0])
+    spooled = eqx_logs.spool(_index_inside_then_outside_batched_cond, reduce=reduce)
+    _, outer = jax.vmap(spooled)(xs)
+    _, inner = eqx_logs.spool(jax.vmap(_index_inside_then_outside_batched_cond), reduce=reduce)(xs)
+    moved = (lambda a: np.moveaxis(np.asarray(a), 0, 1)) if outer["n"].ndim > 1 else np.asarray
+    np.testing.assert_array_equal(inner["n"], moved(outer["n"]))
+    np.testing.assert_array_equal(inner.count["n"], outer.count["n"])
+    if reduce == "stack":
+        np.testing.assert_array_equal(outer.count["n"], [6, 3, 6])
+        np.testing.assert_array_equal(inner.step["n"], moved(outer.step["n"]))
+        np.testing.assert_array_equal(outer["n"][1, :3], [0, 10, 20])
+
+    xs2 = jnp.array([[1.0, -1.0], [2.0, 3.0]])
+    twice = jax.vmap(jax.vmap(eqx_logs.spool(_index_under_two_vmaps, reduce=reduce)))
+    _, outer = twice(xs2)
+    _, inner = eqx_logs.spool(jax.vmap(jax.vmap(_index_under_two_vmaps)), reduce=reduce)(xs2)
+    if outer["n"].ndim > 2:  # events last in outer, first in inner
+        want = np.moveaxis(np.asarray(outer["n"]), 2, 0)
+    else:
+        want = np.asarray(outer["n"])
+    np.testing.assert_array_equal(inner["n"], want)
+    np.testing.assert_array_equal(inner.count["n"], outer.count["n"])
+
+
+def test_a_site_batched_over_some_of_the_keys_vmaps_is_refused():
+    """Unnamed vmap axes cannot be told apart, so a site batched over the outer of two vmaps
+    is not broadcast along a guessed axis: the shapes differ, an error names both sites."""
+
+    def f(x, y):
+        eqx_logs.log("n", y)  # batched over the outer vmap only
+        lax.cond(x > 0, lambda: eqx_logs.log("n", y), lambda: None)  # over both
+        return x
+
+    g = jax.vmap(jax.vmap(f, in_axes=(0, None)), in_axes=(0, 0))
+    with pytest.raises(ValueError, match=r"key 'n' is logged with shape \(2,\)"):
+        eqx_logs.spool(g)(jnp.ones((2, 3)), jnp.ones(2))
