@@ -28,7 +28,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import _compat, _lanes
-from ._buffers import NeedsBound, Stack
+from ._buffers import NeedsBound, Stack, _cast
 from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
@@ -1378,10 +1378,6 @@ def _streams(reduction: Any) -> bool:
 def _known(x: Any) -> bool:
     """Whether `x` is a value known at trace time (a numpy counter, see `Interpreter._init`)."""
     return isinstance(x, np.ndarray | np.generic)
-
-
-def _cast(x: Any, dtype: Any) -> Any:
-    return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
 
 
 def _widened(x: Any, shape: tuple[int, ...]) -> Any:
