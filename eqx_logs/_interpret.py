@@ -212,6 +212,26 @@ def max_counts(many: Sequence[Counts]) -> Counts:
     return out
 
 
+def _exclusive(logs: list[tuple[tuple[tuple[int, int], ...], Counts]], depth: int) -> Counts:
+    """The bound on the events of logs in branches of batched conds (`log_p`'s `branches`,
+    pairs `(cond, branch)`), all sharing their first `depth` pairs: a lane takes one branch of
+    a cond, so each cond adds the maximum over its branches (each branch's logs grouped the
+    same way by their next pair); logs with no more pairs add their own. Max is only taken
+    between different branches of one cond, everything else is summed: whatever order the
+    pairs come in, the bound holds for every lane."""
+    total: Counts = {}
+    conds: dict[int, dict[int, list[Any]]] = {}
+    for branches, counts in logs:
+        if len(branches) == depth:
+            total = _add(total, counts)
+        else:
+            cond, i = branches[depth]
+            conds.setdefault(cond, {}).setdefault(i, []).append((branches, counts))
+    for by_branch in conds.values():
+        total = _add(total, max_counts([_exclusive(b, depth + 1) for b in by_branch.values()]))
+    return total
+
+
 def unbounded(counts: Counts) -> Counts:
     return {k: None for k in counts}
 
@@ -465,15 +485,34 @@ class Interpreter:
             return hit[1]
         jaxpr, _ = _compat.unpack(closed)
         total: Counts = {}
+        in_branches: list[tuple[tuple[tuple[int, int], ...], Counts]] = []
         for eqn in jaxpr.eqns:
             if is_log(eqn):
                 if self.selects(eqn.params["tags"]):
                     keys = self._record(eqn)
-                    total = _add(total, {k: self._events_per_log(eqn, k) for k in keys})
+                    counts = {k: self._events_per_log(eqn, k) for k in keys}
+                    in_branches.append((eqn.params["branches"], counts))
             elif self.eqn_has_log(eqn):
-                total = _add(total, self.rule(eqn).count(self, eqn))
+                in_branches.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
+        total = _add(total, _exclusive(in_branches, 0))
         self._counts[id(closed)] = (closed, total)
         return total
+
+    def _branches(self, eqn: _compat.JaxprEqn) -> tuple[tuple[int, int], ...]:
+        """The batched-cond branches (`log_p`'s `branches`) that every log inside `eqn` (a
+        loop, a call) is in: its events are those branches' too."""
+        common = None
+        for sub in _compat.sub_jaxprs(eqn.params):
+            jaxpr, _ = _compat.unpack(sub)
+            for inner in jaxpr.eqns:
+                if is_log(inner):
+                    pairs = set(inner.params["branches"])
+                elif self.eqn_has_log(inner):
+                    pairs = set(self._branches(inner))
+                else:
+                    continue
+                common = pairs if common is None else common & pairs
+        return tuple(sorted(common or ()))
 
     def _events_per_log(self, eqn: _compat.JaxprEqn, key: str) -> int:
         """Events one execution of a log equation makes for `key`: one, or one per lane."""
@@ -578,7 +617,7 @@ class Interpreter:
             key_avals, key_steps, key_nb = avals, steps, nb
             if nb != info.nbatch and not mesh and not info.lanes_as_events:
                 key_avals, key_steps, key_nb = self._broadcast_site(
-                    info, avals, sub_leaves[0], steps, nb, names
+                    info, avals, sub_leaves, steps, nb, names
                 )
             batch = key_avals[sub_leaves[0]].shape[:key_nb]
             if (
@@ -611,19 +650,26 @@ class Interpreter:
         return list(items)
 
     @staticmethod
-    def _broadcast_site(info: _KeyInfo, avals, first: int, steps, nb: int, names):
+    def _broadcast_site(info: _KeyInfo, avals, leaves: list[int], steps, nb: int, names):
         """A site that logs a key unbatched where its other sites are batched, or the other
         way round: under `spool(vmap(f))`, a value vmap leaves unbatched (a loop index)
         logged both outside and inside a cond whose predicate is batched (the mask batches
         the second). The key takes the batch, and the unbatched site's avals and steps are
         returned as broadcast to it (its events are, in `_event_of`), as each lane of
-        `jax.vmap(spool(f))` sees them. `first` is the position of the key's first leaf in
-        `avals`. A site batched over some of the key's vmaps but not all is left as it is
-        (the shapes then differ: an error): unnamed vmap axes cannot be told apart."""
-        if info.nbatch == 0:
-            info.widen(avals[first].shape[:nb], names)
+        `jax.vmap(spool(f))` sees them. Only where the shapes differ as they are and agree
+        after the batch axes (a key whose unbatched site logs a whole batch, shaped as the
+        batched site's, is left as it was); and not for a site batched over some of the
+        key's vmaps but not all (unnamed vmap axes cannot be told apart): the shapes are
+        then compared as they are. `leaves` are the positions of the key's leaves in
+        `avals`."""
+        shapes = [avals[i].shape for i in leaves]
+        if shapes == [s.shape for s in info.leaves]:
             return avals, steps, nb
-        if nb == 0:
+        events = [s.shape[info.nbatch :] for s in info.leaves]
+        if info.nbatch == 0 and [shape[nb:] for shape in shapes] == events:
+            info.widen(shapes[0][:nb], names)
+            return avals, steps, nb
+        if nb == 0 and shapes == events:
             lead = info.batch_shape()
             avals = [a.update(shape=lead + a.shape) for a in avals]
             steps = {n: jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for n, s in steps.items()}

@@ -8,6 +8,7 @@ JAX's batching rules with ones that do the same thing while giving every log a v
 the lanes where its branch is taken, or where the loop is still running.
 """
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,21 +28,24 @@ class _MaskInterpreter(Interpreter):
 
     wraps_custom_rules = False  # the spool or tap around the vmap does it
 
-    def __init__(self, mask: Any):
+    def __init__(self, mask: Any, branch: tuple[int, int] | None):
         super().__init__(Policy(), RULES)
-        self.mask = mask
+        self.mask, self.branch = mask, branch
         self._reductions = {}  # no states to thread
 
     def _event(self, eqn, invals, states):
         lane = self.lane_mask()
         mask = self.mask if lane is None else jnp.logical_and(self.mask, lane)
-        rebind(eqn, invals, mask)
+        rebind(eqn, invals, mask, branch=self.branch)
 
 
-def masked_eval(closed: Any, args: Sequence[Any], mask: Any) -> list[Any]:
-    """Evaluate `closed` on `args` with every log inside masked by `mask`. Outputs that have
-    a lane value (`_lanes.py`: Equinox's loop predicates) are returned as their lane value."""
-    interp = _MaskInterpreter(mask)
+def masked_eval(
+    closed: Any, args: Sequence[Any], mask: Any, branch: tuple[int, int] | None = None
+) -> list[Any]:
+    """Evaluate `closed` on `args` with every log inside masked by `mask`, and marked as in
+    `branch` (`(cond, branch index)`, see `_primitive.py`) if given. Outputs that have a lane
+    value (`_lanes.py`: Equinox's loop predicates) are returned as their lane value."""
+    interp = _MaskInterpreter(mask, branch)
     outs, _ = interp.eval(closed, args, {})
     return [x if interp.lane_of(x) is None else interp.lane_of(x) for x in outs]
 
@@ -50,16 +54,20 @@ def _has_log(*closed: Any) -> bool:
     return any(log_effect in _compat.unpack(c)[0].effects for c in closed)
 
 
+_conds = itertools.count()  # ids of the batched conds with logs (`log_p`'s `branches`)
+
+
 def _cond_batching(original):
     def rule(axis_data, args, dims, *, branches, **params):
         index_dim = dims[0]
         if index_dim is None or not _has_log(*branches):
             return original(axis_data, args, dims, branches=branches, **params)
         size, name = _compat.axis_size_and_name(axis_data)
+        cond = next(_conds)  # this cond, in its branches' logs
 
         def branch_outputs(i, branch):
             def lane(index, *ops):
-                return masked_eval(branch, ops, index == i)
+                return masked_eval(branch, ops, index == i, (cond, i))
 
             return jax.vmap(lane, in_axes=tuple(dims), axis_size=size, axis_name=name)(*args)
 

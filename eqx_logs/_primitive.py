@@ -7,6 +7,10 @@ for error messages), `nbatch` (how many leading axes vmap added) and `axis_names
 `vmap` axis names, outermost first; None where unnamed). The mask is added by
 `_masking.py` when vmap turns a cond or while loop with a batched predicate into code that runs
 every branch or iteration for every lane: it marks the lanes where the event really happens.
+For a cond, `branches` then records which branch of which batched cond the log is in (pairs
+`(cond, branch)`, sorted): a lane takes one branch of each, so the events of different
+branches of one cond exclude each other, and a spool bounds them by the maximum over the
+branches, as without vmap.
 `log_p` has no outputs and an effect of its own, so it survives DCE, AD, remat and control
 flow until a spool or tap interprets it.
 """
@@ -180,10 +184,12 @@ def rebind(
     *,
     keys: list[str] | None = None,
     rule: str | None = None,
+    branch: tuple[int, int] | None = None,
 ) -> None:
     """Bind a log equation again (for an enclosing spool or tap): only `keys` of it (None:
-    all), its events masked by `mask` too (a bool per lane; None: as they were), and marked
-    as coming from the backward or forward `rule` of a custom derivative (None: as it was).
+    all), its events masked by `mask` too (a bool per lane; None: as they were), marked as
+    coming from the backward or forward `rule` of a custom derivative (None: as it was), and
+    as in `branch`, `(cond, branch index)`, of a batched cond (None: as it was).
     Where no spool or tap is tracing, the events are dropped (see `log_p`), and operands
     computed only for logs (`Lazy`) are never computed."""
     params = dict(eqn.params)
@@ -191,7 +197,7 @@ def rebind(
         _dropped(params["site"], rule or params["rule"])
         return
     invals = force(invals)
-    if mask is None and keys is None and rule is None:
+    if mask is None and keys is None and rule is None and branch is None:
         _compat.bind_eqn(eqn, invals)
         return
     treedef, n_steps = params["treedef"], len(params["steps"])
@@ -206,6 +212,8 @@ def rebind(
         old, params["masked"] = [jnp.asarray(mask, bool)], True
     if rule is not None:
         params["rule"] = rule
+    if branch is not None:
+        params["branches"] = tuple(sorted((*params["branches"], branch)))
     log_p.bind(*leaves, *steps, *old, **params)
 
 
@@ -574,6 +582,7 @@ def bind(
         nbatch=0,
         axis_names=(),
         masked=False,
+        branches=(),
     )
 
 

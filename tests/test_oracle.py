@@ -602,22 +602,11 @@ def combine_lanes(lanes: list[dict], event_first: bool) -> dict[str, tuple]:
     return out
 
 
-def _sized_by_bound(spec) -> bool:
-    """Whether the leading axis of `spec`'s output is sized by the static bound on the events
-    (an event-keeping reduction without a capacity)."""
-    if spec[0] not in _EVENT_KEEPING:
-        return False
-    return len(spec) == 1 or spec[3 if spec[0] == "window" else 1] is None
-
-
-def assert_reduced(logs, want: dict[str, tuple], extra_slots: bool = False) -> None:
+def assert_reduced(logs, want: dict[str, tuple]) -> None:
     """A LogDict against `expected_reduced` (or `combine_lanes`): keys, values (shape, dtype,
-    NaN positions, values) and counts (shape and values).
-
-    `extra_slots` tolerates, where the event axis is sized by the static bound, more slots
-    than expected if the extra ones are padding: eqx_logs's known over-estimate of the bound
-    of a cond with a batched predicate under `spool(vmap(f))` (see
-    `test_batched_cond_bound_is_max_over_branches`)."""
+    NaN positions, values) and counts (shape and values). Where the event axis is sized by
+    the static bound, the bounds must agree too (under `spool(vmap(f))`, a cond with a
+    batched predicate is bounded by the maximum over its branches, as per lane)."""
     assert set(logs) == set(want), f"keys {sorted(logs)} != expected {sorted(want)}"
     for name, (value, count, spec, (rtol, atol)) in want.items():
         got = logs[name]
@@ -629,10 +618,6 @@ def assert_reduced(logs, want: dict[str, tuple], extra_slots: bool = False) -> N
             parts = [(name, got, value, spec)]
         for what, g, w, s in parts:
             g = np.asarray(g)
-            if extra_slots and _sized_by_bound(s) and g.shape[1:] == w.shape[1:]:
-                fill = np.full_like(g[w.shape[0] :], _fill(g.dtype))
-                np.testing.assert_array_equal(g[w.shape[0] :], fill, err_msg=f"{what!r} tail")
-                g = g[: w.shape[0]]
             assert g.shape == w.shape, f"{what!r} ({s}): shape {g.shape} != {w.shape}"
             assert g.dtype == w.dtype, f"{what!r} ({s}): dtype {g.dtype} != {w.dtype}"
             np.testing.assert_allclose(
@@ -1227,7 +1212,7 @@ def test_batched_predicates_match_oracle_per_lane(case):
         (x, z), logs = transformed(xs, z0)
         assert_close(x, want_x, "x")
         assert_close(np.broadcast_to(z, want_z.shape), want_z, "z")
-        assert_reduced(logs, combine_lanes(expected, event_first), extra_slots=event_first)
+        assert_reduced(logs, combine_lanes(expected, event_first))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1338,23 +1323,43 @@ def _log_in_both_branches(x):
     return x
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="eqx_logs: under spool(vmap(f)) a cond with a batched predicate bounds its events "
-    "by the sum over its branches, not the max, so Stack/Collect/Window get extra NaN slots "
-    "and differ in shape from vmap(spool(f))",
-)
 @pytest.mark.parametrize("reduce", ["stack", "collect", eqx_logs.Window(1, "sum")])
 def test_batched_cond_bound_is_max_over_branches(reduce):
-    """One event per lane whichever branch runs: the static bound is 1, as without vmap.
-    (The random test tolerates the extra padding slots: `assert_reduced(extra_slots=True)`.)"""
+    """One event per lane whichever branch runs: the static bound is 1, as without vmap (the
+    branches' logs carry the cond they are in, `log_p`'s `branches`)."""
     xs = jnp.array([1.0, -2.0, 3.0])
     _, outer = jax.vmap(eqx_logs.spool(_log_in_both_branches, reduce=reduce))(xs)
     np.testing.assert_array_equal(outer["a"], [[1.0], [2.0], [3.0]])
     _, inner = eqx_logs.spool(jax.vmap(_log_in_both_branches), reduce=reduce)(xs)
     assert inner["a"].shape == (1, 3), inner["a"]
     np.testing.assert_array_equal(inner["a"], [[1.0, 2.0, 3.0]])
+
+
+def _loop_and_nested_cond_in_branches(x):
+    def scans():
+        body = lambda c, i: (eqx_logs.log("a", x + i), (c, None))[1]  # noqa: E731
+        lax.scan(body, 0.0, jnp.arange(3.0))
+
+    def nested():
+        eqx_logs.log("a", 10 * x)
+        lax.cond(x > 2, lambda: eqx_logs.log("a", 20 * x), lambda: eqx_logs.log("a", -x))
+
+    lax.cond(x > 0, nested, scans)  # 2 events or 3: the bound is 3
+    return x
+
+
+@pytest.mark.parametrize("reduce", ["stack", "collect"])
+def test_batched_cond_bound_with_a_loop_and_a_nested_cond_in_its_branches(reduce):
+    """A loop in one branch and a nested batched cond in the other: the bound is the maximum
+    over the branches at each level (3), and the values are vmap(spool(f))'s."""
+    xs = jnp.array([1.0, -2.0, 3.0])
+    spooled = eqx_logs.spool(_loop_and_nested_cond_in_branches, reduce=reduce)
+    _, outer = jax.vmap(spooled)(xs)
+    _, inner = eqx_logs.spool(jax.vmap(_loop_and_nested_cond_in_branches), reduce=reduce)(xs)
+    assert outer["a"].shape == (3, 3) and inner["a"].shape == (3, 3)
+    np.testing.assert_array_equal(inner["a"], np.moveaxis(np.asarray(outer["a"]), 0, 1))
+    np.testing.assert_array_equal(inner.count["a"], [2, 3, 2])
+    np.testing.assert_array_equal(outer["a"][2, :2], [30.0, 60.0])
 
 
 def _index_inside_and_outside_batched_cond(x):
