@@ -512,6 +512,8 @@ class Interpreter:
                 else:
                     continue
                 common = pairs if common is None else common & pairs
+                if not common:
+                    return ()  # (as for any loop or call outside batched conds: at once)
         return tuple(sorted(common or ()))
 
     def _events_per_log(self, eqn: _compat.JaxprEqn, key: str) -> int:
