@@ -484,17 +484,18 @@ class Interpreter:
         if hit is not None:
             return hit[1]
         jaxpr, _ = _compat.unpack(closed)
-        total: Counts = {}
-        in_branches: list[tuple[tuple[tuple[int, int], ...], Counts]] = []
+        # each log and each loop or call with logs: the batched-cond branches it is in, and
+        # its counts (`_exclusive` adds them up)
+        parts: list[tuple[tuple[tuple[int, int], ...], Counts]] = []
         for eqn in jaxpr.eqns:
             if is_log(eqn):
                 if self.selects(eqn.params["tags"]):
                     keys = self._record(eqn)
                     counts = {k: self._events_per_log(eqn, k) for k in keys}
-                    in_branches.append((eqn.params["branches"], counts))
+                    parts.append((eqn.params["branches"], counts))
             elif self.eqn_has_log(eqn):
-                in_branches.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
-        total = _add(total, _exclusive(in_branches, 0))
+                parts.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
+        total = _exclusive(parts, 0)
         self._counts[id(closed)] = (closed, total)
         return total
 

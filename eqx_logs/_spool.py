@@ -187,7 +187,8 @@ def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
 
 
 class _Static:
-    """The static part of a spooled function: hashed once, compared by identity first."""
+    """A static value for Equinox, not a pytree, hashed once and compared by identity first:
+    the static part of a spooled function, or the structure of the LogDict it returns."""
 
     __slots__ = ("value", "_hash")
 
@@ -223,15 +224,6 @@ def _split(spooled: "_Spooled") -> tuple[_Static, list[Any]]:
     return hit
 
 
-class _Layout:
-    """A LogDict's pytree aux data, as one static output of `_spool_call` (not a pytree)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any):
-        self.value = value
-
-
 @eqx.filter_jit
 def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     static, _, arrays = parts  # the scope (the middle part) is in the cache key only
@@ -243,7 +235,7 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     # the LogDict leaves as a list, its structure static: Equinox splits and rebuilds a
     # list faster than a LogDict, and the caller rebuilds that once
     children, layout = logs.tree_flatten()
-    return out, children, _Layout(layout)
+    return out, children, _Static(layout)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:
