@@ -275,6 +275,34 @@ def test_read_arrays_never_unpickles(tmp_path):
         read_arrays(tmp_path)
 
 
+def test_read_arrays_of_runs_without_events(tmp_path):
+    """A run the logger wrote nothing to reads back as `{}` (as lox's test of saving empty
+    logs expects): empty logs, a spooled call that logged nothing, and, beside a run that was
+    written, a tapped call that logged nothing. A directory that does not exist is named,
+    and so is the directory of a logger that was never called: it leaves nothing on disk."""
+    path = tmp_path / "arrays"
+    with ArrayLogger(path) as logger:
+        logger.write(eqx_logs.LogDict({}))  # run 0
+        logger.spool(lambda x: x + 1, logger.init(1))(jnp.float32(1.0))
+        one = eqx_logs.LogDict({"a": np.float32(5.0)}, count={"a": np.int32(1)})
+        logger.write(one, logger.init(2))
+        logger.tap(lambda x: x + 1, logger.init(3))(jnp.float32(1.0))
+    assert sorted(os.listdir(path)) == ["run_0", "run_1", "run_2"]
+    assert read_arrays(path) == {} and read_arrays(path, 1) == {} and read_arrays(path, 3) == {}
+    (event,) = read_arrays(path, 2)["a"]
+    assert event["value"] == np.float32(5.0)
+
+    with ArrayLogger(tmp_path / "never"):
+        pass
+    for missing in [tmp_path / "never", tmp_path / "nope" / "arrays"]:
+        assert not missing.exists()
+        with pytest.raises(FileNotFoundError, match=re.escape(f"{missing}: no such directory")):
+            read_arrays(missing)
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"{tmp_path / 'file'}: not a dir")):
+        read_arrays(tmp_path / "file")
+
+
 # --- TensorBoardLogger -------------------------------------------------------------------------
 
 
@@ -314,6 +342,46 @@ def test_tensorboard(tmp_path, mode):
         compare_series(scalars, want_scalars, f"run {run} scalars")
         compare_series(histograms, want_histograms, f"run {run} histograms")
         compare_series(nonfinite, want_nonfinite, f"run {run} non-finite counts")
+
+
+def test_tensorboard_a_later_logger_sorts_later(tmp_path):
+    """TensorBoard reads a run's event files in name order: a logger opened on a logdir
+    right after another (within the same second, in the same process) must name its file
+    after the other's, so that its events come after the other's. Three loggers one after
+    the other, twenty times, each time in a fresh logdir (names that tie on the second and
+    end in a random suffix put them out of order most of the time)."""
+
+    for pair in range(20):
+        logdir = tmp_path / f"pair{pair}"
+        for values in ([0.0, 1.0], [10.0, 11.0], [20.0]):  # each from step 0 (a counter)
+            with TensorBoardLogger(logdir) as logger:
+                for v in values:
+                    logger.write(eqx_logs.LogDict({"x": np.float32(v)}, count={"x": 1}))
+        files = sorted(os.listdir(logdir / "run_0"))
+        assert len(files) == 3 and all(f.startswith("events.out.tfevents.") for f in files)
+        scalars, _ = read_tensorboard(logdir / "run_0")
+        assert scalars == {"x": [(0, 0.0), (1, 1.0), (0, 10.0), (1, 11.0), (0, 20.0)]}, files
+
+
+def test_tensorboard_sorts_after_other_writers(tmp_path):
+    """After another writer's event file of this second (tensorboardX's own `SummaryWriter`,
+    named `<seconds>.<host>`), or of a later second (a clock set back), a logger's file still
+    sorts last."""
+    from tensorboardX import SummaryWriter
+
+    for ahead in [0, 1000]:
+        run = tmp_path / f"ahead{ahead}" / "run_0"
+        with SummaryWriter(os.fspath(run)) as other:
+            other.add_scalar("x", -1.0, 0)
+        (name,) = os.listdir(run)
+        stamp = int(name.split(".")[3])
+        os.rename(run / name, run / name.replace(str(stamp), str(stamp + ahead)))
+        for v in [1.0, 2.0]:
+            with TensorBoardLogger(run.parent) as logger:
+                logger.write(eqx_logs.LogDict({"x": np.float32(v)}, count={"x": 1}))
+        files = sorted(os.listdir(run))
+        assert files[0].startswith(f"events.out.tfevents.{stamp + ahead}."), files
+        assert read_tensorboard(run)[0] == {"x": [(0, -1.0), (0, 1.0), (0, 2.0)]}, files
 
 
 def test_tensorboard_counter_steps_without_a_step(tmp_path):

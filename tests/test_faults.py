@@ -99,6 +99,26 @@ def test_read_jsonl_names_the_file_and_line(tmp_path, lines, line, message):
         read_jsonl(path)
 
 
+def test_read_jsonl_names_a_binary_file(tmp_path):
+    """Bytes that are not UTF-8 (a binary file given by mistake) raise a ValueError naming the
+    file, line and byte, not a bare UnicodeDecodeError; on a last line without a newline too:
+    a logger writes ASCII only, so such a line is not a record cut short by a crash."""
+    good = b'{"run": 0, "key": "a", "value": 1}\n'
+    path = tmp_path / "plot.png"
+    path.write_bytes(good * 2 + b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\x00\x00" + good)
+    message = r"plot\.png, line 3: not UTF-8 text \(byte 0x89 at column 1\); not a JSONL file"
+    with pytest.raises(ValueError, match=message):
+        read_jsonl(path)
+    path.write_bytes(good + b'{"run": 0, "key": "\xff')  # last, no newline
+    with pytest.raises(ValueError, match=r"line 2: not UTF-8 text \(byte 0xff at column 20\)"):
+        read_jsonl(path)
+    path.write_bytes(good + '{"run": 0, "key": "é", "value": 2}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"line 2: not UTF-8 text \(byte 0xe9 at column 20\)"):
+        read_jsonl(path)
+    path.write_bytes(good + '{"run": 0, "key": "é", "value": 2}\n'.encode())  # UTF-8: read
+    assert [r["key"] for r in read_jsonl(path)] == ["a", "é"]
+
+
 def test_read_jsonl_skips_only_a_torn_last_line(tmp_path):
     path = tmp_path / "l.jsonl"
     path.write_text('{"run": 0, "key": "a", "value": 1}\n{"run": 0, "key": "a", "va')
@@ -244,8 +264,8 @@ def test_tensorboard_reopening_keeps_every_file(tmp_path):
     logger.close()
     with TensorBoardLogger(tmp_path) as other:  # another logger on the same logdir
         write(other, 2)
-    got = sorted(v for _, v in read_tensorboard(tmp_path / "run_0")[0]["x"])
-    assert got == [0.0, 1.0, 2.0]
+    got = [v for _, v in read_tensorboard(tmp_path / "run_0")[0]["x"]]
+    assert got == [0.0, 1.0, 2.0]  # in the order written: each file sorts after the last
 
 
 def test_tensorboard_keys_stay_distinct(tmp_path):

@@ -24,8 +24,11 @@ class ArrayLogger(AbstractLogger):
     pytree value under its path), its step values, and the key, at
     `path/run_<run>/<key>/<index>.npz` (the key made safe by `unique_name`). Float types numpy
     lacks (bfloat16, ...) are saved as float32. Each file is written to a temporary name and then
-    renamed, so a crash never leaves a half-written file. Appends to existing runs. Read back
-    with [`eqx_logs.loggers.read_arrays`][] (which never unpickles).
+    renamed, so a crash never leaves a half-written file. Appends to existing runs. A run's
+    folder is created when the logger is first asked to write to it, even with no events (a
+    spooled call that logged nothing), so such a run reads back as `{}`; a logger that is never
+    called creates nothing. Read back with [`eqx_logs.loggers.read_arrays`][] (which never
+    unpickles).
 
     **Arguments:**
 
@@ -35,13 +38,16 @@ class ArrayLogger(AbstractLogger):
     path: str = eqx.field(converter=os.fspath)
 
     def _open(self, run: int) -> dict[str, int]:
+        os.makedirs(self._run_dir(run), exist_ok=True)  # a run without events reads as {}
         return {}  # key -> next file index
+
+    def _run_dir(self, run: int) -> str:
+        return os.path.join(self.path, f"run_{run}{process_suffix(self.every_process)}")
 
     def _write(self, handle: dict[str, int], run: int, records: list[Record]) -> None:
         for r in records:
             key = r["key"]
-            run_dir = f"run_{run}{process_suffix(self.every_process)}"
-            folder = os.path.join(self.path, run_dir, unique_name(key))
+            folder = os.path.join(self._run_dir(run), unique_name(key))
             if key not in handle:
                 os.makedirs(folder, exist_ok=True)
                 existing = [int(m[1]) for f in os.listdir(folder) if (m := _FILE.match(f))]
@@ -65,8 +71,27 @@ def read_arrays(path: str | os.PathLike, run: int = 0) -> dict[str, list[dict[st
     with `"value"` (or `"value/<path>"` per leaf of a pytree value) and `"step/<name>"` arrays.
     Files are loaded with `allow_pickle=False`. A symbolic link (which an `ArrayLogger` never
     writes, and which could point outside the directory) or a file that is not an event raises
-    `ValueError` naming it."""
-    root = os.path.join(os.fspath(path), f"run_{run}")
+    `ValueError` naming it.
+
+    A run that wrote no events (its folder is empty, or absent from `path`) gives `{}`. A
+    `path` that does not exist raises `FileNotFoundError` naming it: a mistyped path, or a
+    logger that was never called (an `ArrayLogger` creates `path` with its first run)."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise NotADirectoryError(
+                f"{path}: not a directory (read_arrays reads the directory an ArrayLogger "
+                "was given as `path`)."
+            )
+        raise FileNotFoundError(
+            f"{path}: no such directory. An ArrayLogger creates its `path` (and "
+            "`run_<run>` in it) when it is first asked to write, even logs without events; "
+            "check the path, or whether the logger was ever called."
+        )
+    root = os.path.join(path, f"run_{run}")
+    _refuse_link(root)
+    if not os.path.exists(root):
+        return {}  # no event of this run was ever written
     out: dict[str, list[dict[str, Any]]] = {}
     for folder in sorted(os.listdir(root)):
         _refuse_link(os.path.join(root, folder))

@@ -83,11 +83,16 @@ def _drop_torn_line(path: str) -> None:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The records of a JsonlLogger file (non-finite floats come back as 'nan'/'inf' strings).
-    A last line cut short by a crash is skipped; any other line that is not a record raises
-    `ValueError` naming the file and the line."""
+    A last line cut short by a crash is skipped; any other line that is not a record, and any
+    line that is not UTF-8 text (a binary file), raises `ValueError` naming the file and the
+    line."""
     out = []
-    with open(path) as f:
+    # undecodable bytes become lone surrogates, found line by line (a strict decoder fails
+    # on a chunk of the file, before the lines that precede the bad byte in it)
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for number, line in enumerate(f, 1):
+            if not line.isascii():
+                _check_text(path, number, line)
             if not line.strip():
                 continue
             try:
@@ -103,3 +108,17 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 )
             out.append(record)
     return out
+
+
+def _check_text(path: str | os.PathLike, number: int, line: str) -> None:
+    """Raise if `line` (read with `errors="surrogateescape"`) held bytes that are not UTF-8.
+    A JsonlLogger writes ASCII only, so such a line was never written by one, even cut short."""
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(line[e.start]) - 0xDC00  # the escape of byte b is U+DC00 + b
+        raise ValueError(
+            f"{os.fspath(path)}, line {number}: not UTF-8 text (byte {byte:#04x} at column "
+            f"{e.start + 1}); not a JSONL file written by eqx_logs (a JsonlLogger writes "
+            "ASCII JSON, one record a line)."
+        ) from None

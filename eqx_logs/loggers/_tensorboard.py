@@ -1,9 +1,9 @@
 import functools
 import os
+import re
 import socket
 import struct
 import time
-import uuid
 from typing import IO, Any
 
 import equinox as eqx
@@ -36,7 +36,8 @@ class _EventFile:
     not wait for it, and a failing write kills that thread and blocks the next `put`), and
     names its file by the second, so a second writer within the same second truncates the
     first's file. Here the logger's writer thread writes each record itself, into a file of
-    its own (opened exclusively), and errors surface as the logger's `WriterError`."""
+    its own (opened exclusively, named by `_file_name` to sort after every earlier one), and
+    errors surface as the logger's `WriterError`."""
 
     def __init__(self, directory: str, fsync_every: float):
         tbx = require("tensorboardX", "tensorboard", "TensorBoardLogger")
@@ -46,11 +47,14 @@ class _EventFile:
         self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
         self._histogram = tbx.summary.histogram
         os.makedirs(directory, exist_ok=True)
-        name = (
-            f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}."
-            f"{os.getpid()}.{uuid.uuid4().hex[:8]}"
-        )
-        self.file: IO[bytes] = open(os.path.join(directory, name), "xb")
+        for _ in range(100):
+            try:
+                self.file: IO[bytes] = open(os.path.join(directory, _file_name(directory)), "xb")
+                break
+            except FileExistsError:  # another logger took that name just now: the next one
+                continue
+        else:
+            raise FileExistsError(f"{directory}: found no free name for a new event file.")
         self.fsync_every, self.synced = fsync_every, time.monotonic()
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
@@ -81,6 +85,33 @@ class _EventFile:
         self.file.close()
 
 
+# What TensorBoard's writers name event files: `events.out.tfevents.<seconds>.<...>`; ours
+# are `events.out.tfevents.<seconds>.<sequence, 6 digits>.<host>.<pid>`.
+_EVENT_FILE = re.compile(r"events\.out\.tfevents\.(\d{10})(?:\.(\d{6})\.)?")
+
+
+def _file_name(directory: str) -> str:
+    """A name for a new event file in `directory` that sorts after every event file there.
+
+    TensorBoard reads a run's event files in name order, so a run reopened (or a second
+    logger on the same logdir) must sort after what was written before, or its events are
+    shown first. The seconds alone tie within a second, and a host or pid after them sorts at
+    random: the name is the current second and a sequence number one past the last file's of
+    that second; after another writer's file of that second (`<seconds>.<host>`), the next
+    second; after a file from a later second (a clock set back), that second."""
+    stamp, sequence = int(time.time()), 0
+    names = [match for f in os.listdir(directory) if (match := _EVENT_FILE.match(f))]
+    if names:
+        last = max(names, key=lambda match: match.string)
+        stamp = max(stamp, int(last[1]))
+        if int(last[1]) == stamp:
+            if last[2] is not None and int(last[2]) < 999_999:
+                sequence = int(last[2]) + 1
+            else:
+                stamp += 1
+    return f"events.out.tfevents.{stamp:010d}.{sequence:06d}.{socket.gethostname()}.{os.getpid()}"
+
+
 class TensorBoardLogger(AbstractLogger):
     """TensorBoard event files (`pip install '.[tensorboard]'` from the checkout, which brings
     tensorboardX for the protos), one run directory per run, `logdir/run_<run>`: scalars, and
@@ -93,8 +124,10 @@ class TensorBoardLogger(AbstractLogger):
     Every write is flushed to the operating system (a crash of the process loses only events
     not yet written); the files are fsynced at most every `fsync_every` seconds and on close.
     Each opening of a run writes a new event file, so closing and reopening, or two loggers on
-    one logdir, never overwrite one another. A failed write (a full disk) is raised as the
-    logger's `WriterError`.
+    one logdir, never overwrite one another; its name sorts after every event file already in
+    the run's directory, so TensorBoard, which reads them in name order, shows a reopened run's
+    events after the earlier ones. A failed write (a full disk) is raised as the logger's
+    `WriterError`.
 
     **Arguments:**
 
