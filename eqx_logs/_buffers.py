@@ -31,7 +31,8 @@ def _cast(x: Any, dtype: Any) -> Array:
 def _write(buf: Array, rows: Array, start: Any) -> Array:
     """`rows` written into `buf` from row `start` (never negative: no wrap-around to
     compute)."""
-    starts = (start, *(0,) * (buf.ndim - 1))
+    zero = np.zeros((), jnp.result_type(start))  # one index dtype (int64 0s under x64)
+    starts = (start, *(zero,) * (buf.ndim - 1))
     return jax.lax.dynamic_update_slice(buf, rows, starts, allow_negative_indices=False)
 
 
@@ -150,7 +151,7 @@ class Stack(AbstractReduction):
 
         def body(i, state):
             event = jtu.tree_map(lambda x: x[i], stored)
-            return self.update(state, event, i < num)
+            return self.update(state, event, jnp.asarray(i, num.dtype) < num)
 
         return jax.lax.fori_loop(0, size, body, a)
 
@@ -245,7 +246,8 @@ class Sample(AbstractReduction):
 
     def update(self, state, value, valid):
         seen = state["seen"]
-        replace = jax.random.randint(jax.random.fold_in(self.key, seen), (), 0, seen + 1)
+        key = jax.random.fold_in(self.key, seen)
+        replace = jax.random.randint(key, (), 0, seen + 1, dtype=jnp.int32)
         slot = jnp.where(seen < self.k, seen, replace)
         write = jnp.logical_and(valid, slot < self.k)
         stack = state["stack"]
@@ -274,18 +276,21 @@ class Sample(AbstractReduction):
         uniforms = jax.random.uniform(k_count, (self.k,))
 
         def draw(i, taken):
-            p = (na - taken) / jnp.maximum(na + nb - i, 1)
+            i = jnp.asarray(i, jnp.int32)  # int64 under x64, as the counts are not
+            f = uniforms.dtype
+            p = (na - taken).astype(f) / jnp.maximum(na + nb - i, 1).astype(f)
             return taken + jnp.logical_and(i < draws, uniforms[i] < p).astype(jnp.int32)
 
         from_a = jax.lax.fori_loop(0, self.k, draw, jnp.zeros((), jnp.int32))
 
         def shuffled(key, filled):  # a random order of the filled slots, filled slots first
             noise = jax.random.uniform(key, (self.k,))
-            return jnp.argsort(jnp.where(jnp.arange(self.k) < filled, noise, 2.0))
+            filled_slots = jnp.arange(self.k, dtype=jnp.int32) < filled
+            return jnp.argsort(jnp.where(filled_slots, noise, 2.0))
 
         order_a = shuffled(k_a, a["stack"]["index"])
         order_b = shuffled(k_b, b["stack"]["index"])
-        slots = jnp.arange(self.k)
+        slots = jnp.arange(self.k, dtype=jnp.int32)
         take_a = slots < from_a
         index_b = order_b[jnp.clip(slots - from_a, 0, self.k - 1)]
 
@@ -306,10 +311,15 @@ class Sample(AbstractReduction):
 
 
 def _windows_stack(state: dict) -> Stack:
-    """The Stack that holds a Window's finished windows (its capacity is the buffer's; a key
-    with no possible events has none)."""
-    size = jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0]
-    return Stack(capacity=size) if size else Stack()
+    """The Stack that holds a Window's finished windows (its capacity is the buffer's)."""
+    return _stack_of(jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
+
+
+def _stack_of(windows: Any) -> Stack:
+    """The Stack of `windows` slots that holds a Window's finished windows: one with that
+    capacity, or none where the size is a static bound no window exceeds: a key with no
+    possible events, or a symbolic size (`jax.export`), which no capacity can be."""
+    return Stack(capacity=windows) if isinstance(windows, int) and windows else Stack()
 
 
 class Window(AbstractReduction):
@@ -351,7 +361,7 @@ class Window(AbstractReduction):
             return self.capacity
         if max_events is None:
             raise NeedsBound()
-        return math.ceil(max_events / self.size)
+        return -(-max_events // self.size)  # a ceiling that stays symbolic (`jax.export`)
 
     def init(self, struct, max_events):
         fresh = self.inner.init(struct, self.size)
@@ -360,7 +370,7 @@ class Window(AbstractReduction):
         return {
             "current": fresh,
             "position": jnp.zeros((), jnp.int32),
-            "windows": (Stack(capacity=n) if n else Stack()).init(out, n),
+            "windows": _stack_of(n).init(out, n),
         }
 
     def update(self, state, value, valid):
@@ -392,7 +402,7 @@ class Window(AbstractReduction):
     def rows(self, state):  # finished windows, and the partial one if it has events
         stack = _windows_stack(state)
         closed = stack.rows(state["windows"]) + (state["position"] > 0).astype(jnp.int32)
-        return jnp.minimum(closed, stack.capacity or 0)
+        return jnp.minimum(closed, jtu.tree_leaves(state["windows"]["buffer"])[0].shape[0])
 
     def finalize(self, state):
         stack = _windows_stack(state)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-from jax import lax as _lax, tree_util as _tree_util
+from jax import ShapeDtypeStruct, lax as _lax, make_jaxpr as _make_jaxpr, tree_util as _tree_util
 from jax._src import (
     ad_checkpoint as _ad_checkpoint,
     ad_util as _ad_util,
@@ -32,6 +32,7 @@ from jax._src import (
     debugging as _debugging,
     dispatch as _dispatch,
     effects as _effects,
+    hijax as _hijax,
     linear_util as _lu,
     pjit as _pjit,
     sharding_impls as _sharding_impls,
@@ -401,8 +402,14 @@ def is_jaxpr(x: Any) -> bool:
     return isinstance(x, _closed_types)
 
 
+# The objects that "hi" equations (`call_hi_primitive`) carry: `HiPrim` (jax 0.12; jax 0.10
+# calls it `VJPHiPrimitive`, and only `jax.experimental.hijax` users bind it).
+_HiPrim = getattr(_hijax, "HiPrim", None) or getattr(_hijax, "VJPHiPrimitive", ())
+
+
 def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
-    """Every jaxpr found in an equation's parameters (also inside tuples, as cond's)."""
+    """Every jaxpr found in an equation's parameters (also inside tuples, as cond's, and
+    those a hi primitive holds, as `lax.custom_root`'s `solve`: see `_hi_jaxprs`)."""
     for value in params.values():
         if is_jaxpr(value):
             yield value
@@ -410,6 +417,21 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
             for item in value:
                 if is_jaxpr(item):
                     yield item
+        elif isinstance(value, _HiPrim):
+            yield from _hi_jaxprs(value)
+
+
+def _hi_jaxprs(prim: Any) -> Iterator[Any]:
+    """The jaxprs of a `HiPrim`'s parameters: its own (`Scan3`'s body, `RematTraced`'s
+    function), those of the traced functions it holds (`CustomJVPTraced`'s primal), and those
+    of the hi primitives it holds (`OptRemat`'s). Logs there are found, and so never lost."""
+    for value in prim.params.values():
+        if isinstance(value, _HiPrim):
+            yield from _hi_jaxprs(value)
+        elif is_jaxpr(value):
+            yield value
+        elif is_jaxpr(getattr(value, "jaxpr", None)):  # a `jax.jit(f).trace(...)`
+            yield value.jaxpr
 
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
@@ -435,8 +457,9 @@ def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
 def _emit(trace: Any, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
     """Stage `eqn` into the jaxpr being built, as `jax.jit` inlines a jaxpr: with the types
     the equation already has, so without running its abstract evaluation or staging rule
-    again. None where an operand's type differs from the equation's (then it is bound)."""
-    if eqn.primitive.ref_allocating:
+    again. None where an operand's type differs from the equation's, or for a "hi" equation
+    (then it is bound)."""
+    if eqn.primitive.ref_allocating or is_high(eqn):
         return None
     name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
     src = eqn.source_info.replace(name_stack=name_stack)
@@ -450,16 +473,41 @@ def _emit(trace: Any, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
     return trace.emit_eqn(tracers, avals, eqn.primitive, eqn.params, eqn.effects, src, eqn.ctx)
 
 
+def is_high(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is a "hi" equation: a `HiPrim` (jax 0.12's `jnp.searchsorted`,
+    `jnp.nonzero(size=)`, `jnp.ldexp`, `lax.custom_root`, ...) or a call, loop or branch whose
+    jaxpr holds one. JAX expands these into lower primitives when it binds them (a jaxpr that
+    holds one is marked `is_high` and lowered before compilation); an equation copied into a
+    jaxpr with `emit_eqn` skips that, and XLA later finds no lowering for
+    `call_hi_primitive`."""
+    return eqn.primitive.is_high(*(v.aval for v in eqn.invars), **eqn.params)
+
+
 _package_dir = os.path.dirname(os.path.abspath(__file__))
 
 
-def eqn_location(eqn: JaxprEqn) -> str:
-    """A short 'file:line (function)' of the user frame that created `eqn` (outside JAX and
-    eqx_logs)."""
-    for frame in _source_info_util.user_frames(eqn.source_info.traceback):
-        if not os.path.abspath(frame.file_name).startswith(_package_dir):
-            return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
-    return "<unknown location>"
+def _installed(path: str) -> bool:
+    """Whether `path` is a file of an installed package (Equinox, lineax, optimistix, ...)."""
+    parts = os.path.normpath(path).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
+def eqn_location(eqn: JaxprEqn, outer: Sequence[JaxprEqn] = ()) -> str:
+    """A short 'file:line (function)' of the user frame that created `eqn`: the innermost
+    outside JAX, eqx_logs and installed packages (a `lx.linear_solve` call, not the Equinox
+    function that binds its primitive), else the innermost outside JAX and eqx_logs. The
+    traceback of an equation inside a jit stops at that jit: `outer` are the equations
+    around `eqn` (outermost first), whose frames are searched next for one outside packages."""
+    frames = [
+        frame
+        for e in (eqn, *reversed(outer))
+        for frame in _source_info_util.user_frames(e.source_info.traceback)
+        if not os.path.abspath(frame.file_name).startswith(_package_dir)
+    ]
+    frame = next((f for f in frames if not _installed(f.file_name)), frames[0] if frames else None)
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
 def function_name(eqn: JaxprEqn) -> str:
@@ -479,6 +527,11 @@ def strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect)
     return new
 
 
+def with_params(eqn: JaxprEqn, **params: Any) -> JaxprEqn:
+    """A copy of `eqn` with `params` changed (`eqn` itself is left as it is)."""
+    return eqn.replace(params={**eqn.params, **params})
+
+
 def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect) -> JaxprEqn:
     """A new equation with every log equation removed from its sub-jaxprs. Nothing is
     mutated: JAX may have cached the original."""
@@ -492,6 +545,44 @@ def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect)
             value = tuple(strip_jaxpr(v, is_log, effect) if is_jaxpr(v) else v for v in value)
         params[name] = value
     return eqn.replace(params=params, effects=eqn.effects - {effect})
+
+
+# Equinox's primitives (`eqxi.create_vprim`: lineax's `linear_solve`, and `vprim`, any of them
+# under vmap) run a Python implementation when JAX lowers them. The functions it calls are
+# parameters: jaxprs (closure-converted, in `static`) or Python functions, traced only then.
+EQUINOX_PRIMITIVES = frozenset({"linear_solve", "vprim"})  # (`vprim` of a `linear_solve`)
+
+
+def equinox_impl(eqn: JaxprEqn) -> Callable[..., Any] | None:
+    """The implementation JAX lowers `eqn` with, if Equinox defined its primitive; else None."""
+    name = eqn.primitive.name
+    if name == "vprim":  # under vmap: another vprim's (Equinox's loops' `maybe_set`: no)
+        name = getattr(eqn.params.get("prim"), "name", None)
+    if name not in EQUINOX_PRIMITIVES:
+        return None
+    module = sys.modules.get("equinox.internal._primitive")
+    impl = getattr(module, "_vprim_impl_registry", {}).get(eqn.primitive)
+    return None if impl is None else functools.partial(impl, **eqn.params)
+
+
+def trace_on_avals(fun: Callable[..., Any], avals: Sequence[Any]) -> Any:
+    """`fun` traced to a closed jaxpr on arguments of types `avals`."""
+    structs = [
+        ShapeDtypeStruct(a.shape, a.dtype, weak_type=getattr(a, "weak_type", False)) for a in avals
+    ]
+    return _make_jaxpr(fun)(*structs)
+
+
+def primitive_jvp(eqn: JaxprEqn, primals: Sequence[Any], tangents: Sequence[Any]) -> Any:
+    """`eqn`'s JVP rule applied to `primals` and `tangents` (a symbolic zero, as a custom_jvp
+    rule gets them with `symbolic_zeros=True`, or None, for a zero) as JAX applies it:
+    returns `(outs, out_tangents)`, the tangents as arrays."""
+    zeros = [
+        _ad.Zero(_core.typeof(p).to_tangent_aval()) if t is None or type(t) is _SymbolicZero else t
+        for p, t in zip(primals, tangents)
+    ]
+    outs, out_tangents = _ad.primitive_jvps[eqn.primitive](list(primals), zeros, **eqn.params)
+    return list(outs), [_ad.instantiate_zeros(t) for t in out_tangents]
 
 
 # ----------------------------------------------------------------------------------------
@@ -589,6 +680,12 @@ def linear_solve_parts(eqn: JaxprEqn) -> tuple[dict[str, Any], dict[str, list[An
 HI_CALL = "call_hi_primitive"
 
 
+def hi_name(eqn: JaxprEqn) -> str | None:
+    """The kind of a hi primitive's equation (`'SearchSorted'`, `'Scan3'`); else None."""
+    prim = eqn.params.get("_prim") if eqn.primitive.name == HI_CALL else None
+    return None if prim is None else type(prim).__name__
+
+
 def hi_forward(eqn: JaxprEqn) -> tuple[Any, int] | None:
     """For a hi primitive whose forward computation is a jaxpr of its first operands (the
     `solve` of `lax.custom_root`): that jaxpr and how many operands it takes; else None."""
@@ -647,6 +744,19 @@ def bind_custom_rules_in(eqn: JaxprEqn, invals: Sequence[Any], context: Callable
     subfuns[1:] = [wrap(f) for f in subfuns[1:]]  # (fun, jvp) or (fun, fwd, bwd)
     out = eqn.primitive.bind(*invals, subfuns=tuple(subfuns), **params)
     return list(out)
+
+
+def custom_rule_jaxpr(eqn: JaxprEqn) -> Any:
+    """The user's JVP rule (`custom_jvp_call`) or forward rule (`custom_vjp_call`) of `eqn`,
+    traced as JAX traces it when it differentiates the call with every input's tangent
+    nonzero (JAX memoizes it, so differentiating later traces it no more)."""
+    params = eqn.params
+    n = len(eqn.invars) - params["num_consts"]
+    if eqn.primitive.name == CUSTOM_JVP:
+        jaxpr, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+    else:
+        jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*[True] * n)
+    return close(jaxpr, consts)
 
 
 def bind_custom_jvp(

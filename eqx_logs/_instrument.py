@@ -12,6 +12,7 @@ import jax.tree_util as jtu
 
 from . import _compat
 from ._primitive import _call_site, bind, current_prefix, grad_tap
+from ._spool import update_wrapper
 from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
 
 _M = TypeVar("_M")
@@ -31,9 +32,11 @@ class _CotangentStats:
 
     name: str
     stats: tuple[str, ...]
+    site: str
+    statistics = True
 
     def __call__(self, ct: Any) -> dict[str, Any]:
-        return leaf_statistics(self.name, ct, self.stats)
+        return leaf_statistics(self.name, ct, self.stats, self.site)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +57,12 @@ class _Options:
         name = f"{prefix}/{self.path}" if prefix else self.path
         pair = _is_state_pair(out)
         y = out[0] if pair else out
-        items = leaf_statistics(name, y, self.stats)
+        items = leaf_statistics(name, y, self.stats, site)
         if items:
-            bind(items, {}, tags=(INSTRUMENT_TAG,), site=site)
+            bind(items, {}, tags=(INSTRUMENT_TAG,), site=site, statistics=True)
             if self.grads:
-                y = grad_tap(_CotangentStats(f"{name}/grad", self.stats), site, y)
+                cotangents = _CotangentStats(f"{name}/grad", self.stats, site)
+                y = grad_tap(cotangents, site, y, tags=(INSTRUMENT_TAG,))
         return (y, out[1]) if pair else y
 
 
@@ -150,7 +154,8 @@ def instrument(
     - `stats`: the statistics, names from `"mean"`, `"std"`, `"rms"`, `"absmax"`, `"min"`,
         `"max"`, `"norm"` and `"nonfinite"` (see `eqx_logs.log_stats`).
     - `grads`: also log, in the backward pass, the statistics of the cotangent of each
-        submodule's output under `"<path>/grad/<stat>"` (tagged `"backward"`).
+        submodule's output under `"<path>/grad/<stat>"` (tagged `"instrument"` and
+        `"backward"`).
     - `where`: which submodules: a path pattern (`*` matches any characters, everything
         else itself: `"layers[*].attention"`), a sequence of them, or a function
         `(path, module) -> bool`. By default every submodule that is called (has
@@ -174,7 +179,8 @@ def instrument(
 
     The statistics are over everything a call computes: under a `jax.vmap` inside the spool
     (over the batch, or Equinox's over the tokens of a sequence) over all lanes together, one
-    value per call rather than one per example or token. A layer stacked with
+    value per call rather than one per example or token; under a `jax.vmap` outside it
+    (`jax.vmap(spool(f))`: seeds, an ensemble) per lane, each run's own. A layer stacked with
     `eqx.filter_vmap` and applied in `lax.scan` logs one event per layer.
 
     !!! example
@@ -199,14 +205,41 @@ def instrument(
 
     root = _plain(model)
     instrumented = _map_submodules(wrap, root)
+    if isinstance(getattr(type(root), "__wrapped__", None), property):  # a wrapper module
+        if not found:
+            _check_reachable(root)
+        instrumented = update_wrapper(instrumented)  # rebuilt: named again
     if where is not None and not found:
-        every = []
-        _map_submodules(lambda path, m: every.append(path) or m, root)
+        every = _submodule_paths(root)
         raise ValueError(
             f"eqx_logs.instrument(where={where!r}) selects no submodule of "
             f"{type(root).__name__}; its submodules are {every or 'none'}."
         )
     return instrumented
+
+
+def _submodule_paths(model: Any) -> list[str]:
+    paths = []
+    _map_submodules(lambda path, m: paths.append(path) or m, model)
+    return paths
+
+
+def _check_reachable(wrapper: Any) -> None:
+    """A wrapper module that holds its model's arrays but not its submodules (as
+    `eqx.filter_jit(model)` holds a flat list of leaves) cannot have them instrumented: say
+    so, rather than log nothing."""
+    if _submodule_paths(wrapper):
+        return
+    hidden = _submodule_paths(wrapper.__wrapped__)
+    if hidden:
+        listed = ", ".join(hidden[:3]) + (", ..." if len(hidden) > 3 else "")
+        raise TypeError(
+            f"eqx_logs.instrument cannot reach the submodules of the model inside "
+            f"{type(wrapper).__name__} ({listed}): "
+            "this wrapper keeps the model's arrays but not its submodules (as "
+            "`eqx.filter_jit(model)` does), so none would log. Instrument the model, then "
+            "wrap it: `eqx.filter_jit(eqx_logs.instrument(model))`."
+        )
 
 
 def _map_submodules(fun: Callable[[str, Any], Any], model: Any) -> Any:

@@ -33,7 +33,16 @@ from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
 from ._policy import Policy
-from ._primitive import BACKWARD_TAG, is_log, is_sow, log_effect, rebind
+from ._primitive import (
+    BACKWARD_TAG,
+    current_prefix,
+    is_log,
+    is_sow,
+    log_effect,
+    logging_as,
+    rebind,
+)
+from ._stats import overflows, per_lane, stats_p
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
@@ -142,6 +151,15 @@ _WRITTEN_AS = {
 }
 
 
+# Hi primitives that hold user functions (other than `lax.custom_root`'s) come from options.
+_HI_HINT = (
+    " JAX's options `jax_scan3`, `jax_remat3`, `jax_custom_jvp3` and `jax_custom_vjp3` turn "
+    "`lax.scan`, `jax.checkpoint`, `jax.custom_jvp` and `jax.custom_vjp` into hi primitives, "
+    "as `defvjp(..., generic_batching=True)` does a custom_vjp; without them (the default), "
+    "logs inside are captured."
+)
+
+
 def _log_sites(eqn: _compat.JaxprEqn) -> list[str]:
     """The call sites of the logs inside `eqn`, however deeply nested."""
     sites = []
@@ -171,14 +189,45 @@ def _unbatched(s: jax.ShapeDtypeStruct, batch: tuple[int, ...]) -> jax.ShapeDtyp
     return jax.ShapeDtypeStruct(s.shape[n:], s.dtype)
 
 
-def _merge_leaf(key, info, i, shape, dtype, weak, site):
+def _vmap_depth_hint(info: _KeyInfo, nbatch: int, site: str) -> str:
+    """Why a key's shapes differ when its sites are under different numbers of vmap axes
+    (`info.nbatch` and `nbatch`), and what to write instead."""
+
+    def axes(n: int) -> str:
+        return f"{n} vmap ax{'i' if n == 1 else 'e'}s"
+
+    where = (
+        f"at the same call site {site}, so a `jax.vmap` inside the spooled function runs "
+        "around that log on some paths and not on others: most often a vmap inside library "
+        "code that calls your function (optimistix's `NelderMead` evaluates its simplex "
+        "under `jax.vmap`, and its other points without)"
+        if site in info.sites
+        else f"at {_site_list(info.sites)} and at {site}"
+    )
+    return (
+        f" The key is logged under {axes(info.nbatch)} and under {axes(nbatch)} {where}. "
+        "Unnamed vmap axes cannot be told apart, so the spool cannot know which leading axis "
+        "is which vmap's. Put the spool inside your own vmap, `jax.vmap(eqx_logs.spool(f))` "
+        "instead of `eqx_logs.spool(jax.vmap(f))`: each lane is then its own run (what "
+        "`eqx_logs.spool(f)` gives for that lane alone), and a key logged both inside and "
+        "outside the library's vmap takes its batch, the other events broadcast to its "
+        "lanes. Or give the sites keys of their own, or wrap the library call in "
+        "`eqx_logs.nolog`."
+    )
+
+
+def _merge_leaf(key, info, i, shape, dtype, weak, site, why=""):
     old = info.leaves[i]
     earlier = _site_list(info.sites)
     if old.shape != shape:
         raise ValueError(
             f"eqx_logs: key {key!r} is logged with shape {old.shape} (at {earlier}) and with "
-            f"shape {shape} (at {site}). Every event of one key must have the same shape and "
-            "dtype; log the differently shaped values under different keys."
+            f"shape {shape} (at {site})."
+            + (
+                why
+                or " Every event of one key must have the same shape and dtype; log the "
+                "differently shaped values under different keys."
+            )
         )
     if old.dtype == dtype:
         info.weak[i] = info.weak[i] and weak
@@ -242,6 +291,26 @@ def _shapes(tree: Any) -> Any:
     ]
 
 
+def _merge_scanned(merge: Callable, out: Any, parts: Any, axis: int) -> Any:
+    """`out` merged with each slice of `parts` along `axis`, in order, as
+    `Interpreter._merge_across` does, in a `lax.scan`: for an axis whose size is symbolic (a
+    vmap's under `jax.export`), which a Python loop cannot unroll. Merges keep the shape of
+    their first state (a stack merges into its buffer), so the carry keeps its type."""
+    parts = jtu.tree_map(lambda x: jnp.moveaxis(x, axis, 0), parts)
+    # a state of merge's shape is its first part, as in the loop (the rest has symbolic size)
+    first = _shapes(jtu.tree_map(lambda x: x[0], parts)) == _shapes(out)
+
+    def step(out, part_and_index):
+        part, i = part_and_index
+        merged = merge(out, part)
+        if first:
+            merged = jtu.tree_map(lambda p, m: jnp.where(i == 0, p, m), part, merged)
+        return merged, None
+
+    size = jtu.tree_leaves(parts)[0].shape[0]
+    return lax.scan(step, out, (parts, jnp.arange(size)))[0]
+
+
 def _unsharded(x: Any, axis: int, mesh: Any) -> Any:
     """`x` with its `axis` (a mesh axis of `mesh`, or a vmap's: None) on every device, once:
     a merge over the devices then reads each device's block without moving it again (and
@@ -266,6 +335,11 @@ class Interpreter:
     # where no lane value is known. Spool does not need it: a `vmap` outside it selects the
     # states of untaken branches away (for predicates JAX batches; see `_lanes.py`).
     tracks_guards = False
+
+    # Whether statistics (`log_stats`, `instrument`) evaluated here are per lane under a
+    # `vmap` around it (`_stats.stats_p`): true for what consumes the logs (spool, tap), false
+    # for what re-evaluates a function inside them (masking, plant).
+    stats_per_lane = True
 
     @contextlib.contextmanager
     def guard(self, pred: Callable[[], Any], lane: Any = None):
@@ -360,6 +434,8 @@ class Interpreter:
         self.info: dict[str, _KeyInfo] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
         self._has_log: dict[int, tuple[Any, bool]] = {}
+        self._bodies: dict[tuple[int, str], tuple[Any, Any]] = {}  # see `opaque_body`
+        self._outer: list[Any] = []  # the equations around the one being counted
         self._lane_guards: list[Any] = []
         # the custom derivative rule being evaluated, if any (its events may pass on)
         self.rule_name: str | None = None
@@ -475,7 +551,28 @@ class Interpreter:
         hit = self._has_log.get(id(eqn))  # (logs where the effect is not declared: custom rules)
         if hit is None:
             found = any(self.has_log(sub) for sub in _compat.sub_jaxprs(eqn.params))
+            body = self.opaque_body(eqn)
+            found = found or (body is not None and self.has_log(body))
             hit = self._has_log[id(eqn)] = (eqn, found)
+        return hit[1]
+
+    def opaque_body(self, eqn: _compat.JaxprEqn) -> Any:
+        """For a primitive Equinox defined (`_compat.equinox_impl`: lineax's `linear_solve`),
+        its implementation traced as JAX lowers it, with logging on: its logs may sit in a
+        Python function among its parameters (a linear operator's `mv`), in no jaxpr. None
+        for other primitives."""
+        impl = _compat.equinox_impl(eqn)
+        if impl is None:
+            return None
+        prefix = current_prefix()
+        hit = self._bodies.get((id(eqn), prefix))
+        if hit is None:
+            try:
+                with logging_as(prefix):
+                    body = _compat.trace_on_avals(impl, [v.aval for v in eqn.invars])
+            except Exception:  # noqa: BLE001 (then as any primitive: logs found in its
+                body = None  # jaxprs raise `unhandled`, and it is bound as it is otherwise)
+            hit = self._bodies[(id(eqn), prefix)] = (eqn, body)
         return hit[1]
 
     def count(self, closed: Any) -> Counts:
@@ -494,7 +591,11 @@ class Interpreter:
                     counts = {k: self._events_per_log(eqn, k) for k in keys}
                     parts.append((eqn.params["branches"], counts))
             elif self.eqn_has_log(eqn):
-                parts.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
+                self._outer.append(eqn)  # (for the location of an error inside it)
+                try:
+                    parts.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
+                finally:
+                    self._outer.pop()
         total = _exclusive(parts, 0)
         self._counts[id(closed)] = (closed, total)
         return total
@@ -542,15 +643,47 @@ class Interpreter:
 
     def unhandled(self, eqn: _compat.JaxprEqn) -> None:
         """Raise the error for a primitive that holds logs and has no rule."""
-        name = eqn.primitive.name
+        name, hi = eqn.primitive.name, _compat.hi_name(eqn)
         what = _WRITTEN_AS.get(name, f"the primitive {name!r}")
+        if hi is not None:
+            what = f"JAX's hi primitive {hi!r} (a {name!r})"
         sites = _log_sites(eqn)
         raise UnhandledPrimitiveError(
-            f"eqx_logs: {what} (at {_compat.eqn_location(eqn)}) contains logs"
+            f"eqx_logs: {what} (at {_compat.eqn_location(eqn, self._outer)}) contains logs"
             f"{f' (at {_site_list(sites)})' if sites else ''}, but {self.name} has no rule "
             "for it yet, so its events cannot be captured and would be lost. Move the logs "
-            f"out of it, or wrap the code in `eqx_logs.nolog`. Supported: {sorted(self.rules)}."
+            f"out of it, or wrap the code in `eqx_logs.nolog`."
+            f"{_HI_HINT if hi is not None else ''} Supported: {sorted(self.rules)}."
         )
+
+    def check_rule_dtypes(self, closed: Any, name: str) -> None:
+        """Every log in `closed`, the custom derivative rule of `name`, logs each key known
+        here with its dtype (a rule's events replace its primal's under differentiation)."""
+        jaxpr, _ = _compat.unpack(closed)
+        for eqn in jaxpr.eqns:
+            for sub in _compat.sub_jaxprs(eqn.params):
+                self.check_rule_dtypes(sub, name)
+            if not is_log(eqn):
+                continue
+            treedef = eqn.params["treedef"]
+            items = jtu.tree_unflatten(treedef, eqn.invars[: treedef.num_leaves])
+            for key, tree in items.items():
+                info = self.info.get(key)
+                if info is None:
+                    continue  # passes on (see `_event`)
+                for v, old, weak in zip(jtu.tree_leaves(tree), info.leaves, info.weak):
+                    if v.aval.dtype == old.dtype or (
+                        getattr(v.aval, "weak_type", False)
+                        and jnp.result_type(old.dtype, _python_scalar(v.aval.dtype)) == old.dtype
+                    ):
+                        continue
+                    raise TypeError(
+                        f"eqx_logs: key {key!r} is logged with dtype {old.dtype} (at "
+                        f"{_site_list(info.sites)}) and with dtype {v.aval.dtype} in the "
+                        f"derivative rule of {name} (at {eqn.params['site']}). Under "
+                        "differentiation the rule's events replace the primal's, so the key "
+                        "would change dtype with `jax.grad`; cast one of them."
+                    )
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
         params = eqn.params
@@ -636,11 +769,14 @@ class Interpreter:
                 info.to_lanes_as_events()
             if info.lanes_as_events:  # compare one lane of this site's events
                 key_steps = {n: _unbatched(s, batch) for n, s in key_steps.items()}
+            why = ""
+            if key_nb != info.nbatch and not mesh and not info.mesh and not info.lanes_as_events:
+                why = _vmap_depth_hint(info, key_nb, site)
             for j, i in enumerate(sub_leaves):
                 a = key_avals[i]
                 shape = a.shape[key_nb:] if info.lanes_as_events else a.shape
                 weak = getattr(a, "weak_type", False)
-                _merge_leaf(key, info, j, shape, a.dtype, weak, site)
+                _merge_leaf(key, info, j, shape, a.dtype, weak, site, why)
             for name, s in key_steps.items():
                 if name in info.steps and info.steps[name].shape != s.shape:
                     raise ValueError(
@@ -703,6 +839,8 @@ class Interpreter:
         for eqn in jaxpr.eqns:
             if id(eqn) in deferred:
                 continue
+            if eqn.primitive is stats_p and self.stats_per_lane:
+                eqn = per_lane(eqn)
             invals = [read(v) for v in eqn.invars]
             if is_log(eqn):
                 self._event(eqn, invals, states)
@@ -753,6 +891,11 @@ class Interpreter:
 
             producers = log_only(jaxpr, is_log, keeps)
             deferred = {id(eqn) for _, eqn in producers.values()}
+            if self.stats_per_lane:
+                producers = {
+                    v: (i, per_lane(eqn) if eqn.primitive is stats_p else eqn)
+                    for v, (i, eqn) in producers.items()
+                }
             hit = self._log_only_cache[id(jaxpr)] = (jaxpr, producers, deferred)
         return hit[1], hit[2]
 
@@ -990,7 +1133,7 @@ class Interpreter:
 
     def stream_state(self, key: str) -> dict[str, Any]:
         """The state a streamed key starts every iteration with."""
-        state = {"count": np.zeros(self.batch_shape(key), np.int32)}
+        state = {"count": _counter(self.batch_shape(key))}
         return state | {channel: _Pending(_STREAM, ()) for channel in self._channels[key]}
 
     def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
@@ -1044,7 +1187,7 @@ class Interpreter:
             batch = self.batch_shape(key)
             if isinstance(old, _Pending) and old.state is _FRESH and not old.events:
                 if n == self._bounds[key]:  # the events are the whole buffer
-                    state[channel] = {"buffer": block, "index": np.full(batch, n, np.int32)}
+                    state[channel] = {"buffer": block, "index": _counter(batch, n)}
                     continue
             old = self._settle_channel(key, channel, old, arrays=False)
             extend = method(self._channels[key][channel], "extend")
@@ -1164,6 +1307,9 @@ class Interpreter:
                 out = jtu.tree_map(lambda x: jnp.broadcast_to(x, rest + jnp.shape(x)), init)
                 merge = _vmap(method(reduction, "merge"), nbatch - 1)
                 parts = jtu.tree_map(lambda x: _unsharded(x, j, info.devices), state[channel])
+                if not isinstance(size, int):  # a vmap's symbolic size (`jax.export`)
+                    state[channel] = _merge_scanned(merge, out, parts, j)
+                    continue
                 parts = [jtu.tree_map(lambda x: jnp.take(x, d, j), parts) for d in range(size)]
                 if _shapes(parts[0]) == _shapes(out):  # (init is merge's identity)
                     out, parts = parts[0], parts[1:]
@@ -1197,9 +1343,9 @@ class Interpreter:
         self._bounds[key] = bound
         # counters are numpy values while they are known at trace time: straight-line events
         # are counted (and selected by `interval`) without an operation
-        state = {"count": np.zeros(info.batch_shape(), np.int32)}
+        state = {"count": _counter(info.batch_shape())}
         if self.policy.interval > 1:
-            state["seen"] = np.zeros(info.batch_shape(), np.int32)
+            state["seen"] = _counter(info.batch_shape())
         for channel in self._channels[key]:
             if bound is None:  # made now: a reduction that needs a bound says so now
                 state[channel] = self._empty(key, channel)
@@ -1346,7 +1492,11 @@ class _FirstNonfinite:
         if not floats:
             return
         batch = floats[0].shape[:nb]
-        bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(nb, x.ndim))) for x in floats]
+        # a statistic names a value that is not finite, not a finite one's overflow
+        if params["statistics"] and overflows(key):
+            bad = [jnp.any(jnp.isnan(x), axis=tuple(range(nb, x.ndim))) for x in floats]
+        else:
+            bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(nb, x.ndim))) for x in floats]
         bad = functools.reduce(jnp.logical_or, bad)
         if mask is not True:
             bad = jnp.logical_and(bad, _lanes.fit(mask, batch))
@@ -1427,6 +1577,15 @@ def _streams(reduction: Any) -> bool:
 def _known(x: Any) -> bool:
     """Whether `x` is a value known at trace time (a numpy counter, see `Interpreter._init`)."""
     return isinstance(x, np.ndarray | np.generic)
+
+
+def _counter(shape: tuple[Any, ...], value: Any = 0) -> Any:
+    """An int32 counter of one lane per element of `shape` (a key's batch shape), holding
+    `value`: a numpy value, known at trace time, unless `shape` is symbolic (a batch dimension
+    of `jax.export`, which numpy cannot hold), then an array."""
+    if all(isinstance(d, int | np.integer) for d in shape):
+        return np.full(shape, value, np.int32)
+    return jnp.full(shape, value, jnp.int32)
 
 
 def _widened(x: Any, shape: tuple[int, ...]) -> Any:

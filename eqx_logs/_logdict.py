@@ -6,6 +6,7 @@ from typing import Any
 import jax
 import jax.export
 import jax.tree_util as jtu
+import numpy as np
 
 from . import _compat
 
@@ -79,35 +80,26 @@ class LogDict(dict):
         return self._steps
 
     @property
-    def first_nonfinite(self) -> "NonfiniteEvent | None":
+    def first_nonfinite(self) -> "NonfiniteEvent | None | list":
         """With `spool(..., first_nonfinite=True)`: the first event, in execution order,
         whose value had a NaN or infinite element, as an `NonfiniteEvent` (its key, event
         index, steps, call site and pass); None if every value was finite. Read it outside
-        `jax.jit` (return the LogDict from the jitted function)."""
+        `jax.jit` (return the LogDict from the jitted function).
+
+        Under `jax.vmap(spool(f))` each lane is a run of its own, with a report of its own:
+        a list of them, one per lane (nested, one level per vmap)."""
         if self._nonfinite is None:  # (not AttributeError: that would try the step names)
             raise ValueError(
                 "LogDict.first_nonfinite: this spool did not look for non-finite values; pass "
                 "`first_nonfinite=True` to `eqx_logs.spool` (or to the Policy)."
             )
-        arrays, (keys, sites, step_names) = self._nonfinite
+        arrays, tables = self._nonfinite
         if _compat.is_tracer(arrays["found"]):
             raise TypeError(
                 "LogDict.first_nonfinite reads the values of the report, so it needs concrete "
                 "arrays: return the LogDict from the jitted function and read it outside."
             )
-        if not bool(arrays["found"]):
-            return None
-        site = int(arrays["site"])
-        steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
-        return NonfiniteEvent(
-            key=keys[int(arrays["key"])],
-            event=int(arrays["event"]),
-            steps={n: v for n, v in steps.items() if v != -1},
-            site=sites[site] if site >= 0 else "a custom derivative rule",
-            backward=bool(arrays["backward"]),
-            iterations=tuple(int(i) for i in arrays["iterations"][: int(arrays["depth"])]),
-            lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
-        )
+        return _reports({n: np.asarray(x) for n, x in arrays.items()}, tables)
 
     def __missing__(self, key: Any) -> Any:
         import difflib
@@ -193,6 +185,27 @@ class LogDict(dict):
             names, tables = nonfinite
             self._nonfinite = ({name: next(rest) for name in names}, tables)
         return self
+
+
+def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | None | list":
+    """The report in `arrays`; per lane (a list) where a `vmap` outside the spool batched it."""
+    if np.ndim(arrays["found"]):
+        lanes = range(len(arrays["found"]))
+        return [_reports({n: x[i] for n, x in arrays.items()}, tables) for i in lanes]
+    keys, sites, step_names = tables
+    if not bool(arrays["found"]):
+        return None
+    site = int(arrays["site"])
+    steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
+    return NonfiniteEvent(
+        key=keys[int(arrays["key"])],
+        event=int(arrays["event"]),
+        steps={n: v for n, v in steps.items() if v != -1},
+        site=sites[site] if site >= 0 else "a custom derivative rule",
+        backward=bool(arrays["backward"]),
+        iterations=tuple(int(i) for i in arrays["iterations"][: int(arrays["depth"])]),
+        lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
+    )
 
 
 @dataclasses.dataclass(frozen=True)

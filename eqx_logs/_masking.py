@@ -27,6 +27,7 @@ class _MaskInterpreter(Interpreter):
     """Re-evaluates a jaxpr, adding `mask` to every log (through nested control flow)."""
 
     wraps_custom_rules = False  # the spool or tap around the vmap does it
+    stats_per_lane = False  # the vmap is inside the spool
 
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
         super().__init__(Policy(), RULES)

@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import ArrayLike, PyTree
 
-from . import _compat
+from . import _compat, _nnx
 from ._interpret import Interpreter, _known, _site_list, _vmap
 from ._policy import DROP, Policy
 from ._primitive import (
@@ -26,7 +26,7 @@ from ._primitive import (
 )
 from ._reductions import Count
 from ._rules import RULES
-from ._spool import trace_filtered
+from ._spool import trace_filtered, update_wrapper
 
 _T = TypeVar("_T")
 
@@ -86,6 +86,7 @@ class _PlantInterpreter(Interpreter):
     log passes on to an enclosing spool or tap."""
 
     name = "eqx_logs.plant"
+    stats_per_lane = False  # a vmap around a plant may be inside a spool
 
     def __init__(self, values: dict[str, Any]):
         super().__init__(Policy(), RULES, keep=True)
@@ -135,6 +136,8 @@ class _PlantInterpreter(Interpreter):
                 f"eqx_logs.plant: {key!r} is sown {bound} times (at "
                 f"{_site_list(self.info[key].sites)}), but {v.shape[0]} rows were planted."
             )
+        if v.shape[0] == 0:  # sown no times (a zero-length loop): this event never happens
+            return x
         v = v.astype(x.dtype)
         if _known(count) and np.all(count == np.ravel(count)[:1]):
             return v[min(int(np.ravel(count)[0]), v.shape[0] - 1)]
@@ -162,12 +165,17 @@ class _Planted(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _compat.is_traced((args, kwargs, self.values)):
             return _plant_run(self.fun, self.values, args, kwargs)
-        return _plant_call(self.fun, self.values, args, kwargs)
+        out, written = _plant_call(self.fun, self.values, args, kwargs)
+        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
+            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.plant")
+        return out
 
 
 @eqx.filter_jit
 def _plant_call(fun, values, args, kwargs):
-    return _plant_run(fun, values, args, kwargs)
+    before = _nnx.snapshot((fun, args, kwargs))
+    out = _plant_run(fun, values, args, kwargs)
+    return out, _nnx.updates(before, (fun, args, kwargs), "eqx_logs.plant") or None
 
 
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:
@@ -229,4 +237,4 @@ def plant(fun: Callable[..., _T], values: Mapping[str, PyTree[ArrayLike]]) -> Ca
             f"{type(values).__name__}."
         )
     values = {k: jax.tree.map(jnp.asarray, v) for k, v in values.items()}
-    return eqx.module_update_wrapper(_Planted(fun, values))
+    return update_wrapper(_Planted(fun, values))

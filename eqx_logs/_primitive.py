@@ -110,9 +110,11 @@ def _log_jvp(primals, tangents, **params):
 
 
 def _leading(x: Any, dim: Any, size: int) -> Any:
-    """`x` with its batch axis `dim` first, or broadcast along a new one if unbatched."""
+    """`x` with its batch axis `dim` first, or broadcast along a new one if unbatched. `x` is
+    any operand a primitive takes: an array, a tracer or a Python scalar (a jaxpr literal's
+    value, as an interpreter reads it: on jax 0.10 a `TypedFloat`, with no `.shape`)."""
     if dim is _compat.not_mapped:
-        return jnp.broadcast_to(x, (size, *x.shape))
+        return jnp.broadcast_to(x, (size, *jnp.shape(x)))
     return x if dim == 0 else jnp.moveaxis(x, dim, 0)
 
 
@@ -564,9 +566,11 @@ def bind(
     tags: tuple[str, ...] = (),
     reduce: Any = None,
     site: str,
+    statistics: bool = False,
 ) -> None:
     """Bind `log_p` for already-validated, already-scoped `items`, with the steps of the
-    enclosing `scope` blocks."""
+    enclosing `scope` blocks. `statistics`: the items are statistics of arrays
+    (`"<where>/<stat>"`, see `_stats.py`), not the values the user logged."""
     steps = {**current_steps(), **steps}
     leaves, treedef = jtu.tree_flatten(items)
     names = tuple(sorted(steps))
@@ -583,6 +587,7 @@ def bind(
         axis_names=(),
         masked=False,
         branches=(),
+        statistics=statistics,
     )
 
 
@@ -594,28 +599,31 @@ def bind(
 BACKWARD_TAG = "backward"  # on the events logged in the backward pass
 
 
-def grad_tap(items_of: Callable[[Any], dict[str, Any]], site: str, x: Any) -> Any:
-    """Identity on `x`; in the backward pass, logs `items_of(cotangent)` (tagged
-    `BACKWARD_TAG`), with the steps of the `scope` blocks around this call. `items_of` must be
-    hashable (JAX keys its traces on it)."""
-    return _grad_tap(items_of, site, x, current_steps())
+def grad_tap(
+    items_of: Callable[[Any], dict[str, Any]], site: str, x: Any, tags: tuple[str, ...] = ()
+) -> Any:
+    """Identity on `x`; in the backward pass, logs `items_of(cotangent)`, tagged
+    `BACKWARD_TAG` and `tags` (those of the forward events it belongs with), with the steps of
+    the `scope` blocks around this call. `items_of` must be hashable (JAX keys its traces on
+    it)."""
+    return _grad_tap(items_of, site, (BACKWARD_TAG, *tags), x, current_steps())
 
 
 # The steps travel as residuals: JAX may trace the backward rule in a trace of its own (the
 # transpose of an inner jit), where the traced values of the enclosing scopes do not exist.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _grad_tap(items_of, site, x, steps):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _grad_tap(items_of, site, tags, x, steps):
     return x
 
 
-def _grad_tap_fwd(items_of, site, x, steps):
+def _grad_tap_fwd(items_of, site, tags, x, steps):
     return x, steps
 
 
-def _grad_tap_bwd(items_of, site, steps, ct):
+def _grad_tap_bwd(items_of, site, tags, steps, ct):
     if _compat.logging_enabled.value:
         with _no_context_steps():
-            bind(items_of(ct), steps, tags=(BACKWARD_TAG,), site=site)
+            bind(items_of(ct), steps, tags=tags, site=site, statistics=items_of.statistics)
     zeros = jtu.tree_map(lambda s: np.zeros(np.shape(s), jax.dtypes.float0), steps)
     return ct, zeros
 
@@ -638,6 +646,7 @@ def _no_context_steps() -> Iterator[None]:
 @dataclasses.dataclass(frozen=True)
 class _Cotangent:
     key: str
+    statistics = False  # its items are cotangents, not statistics of them
 
     def __call__(self, ct: Any) -> dict[str, Any]:
         return {self.key: ct}

@@ -121,8 +121,44 @@ def _nan_or_zero(dtype) -> Any:
     return jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
-def _float_dtype(dtype):
-    return jnp.result_type(dtype, 1.0) if not jnp.issubdtype(dtype, jnp.inexact) else dtype
+# Output dtypes (each reduction's docstring states its own). Statistics never round to a
+# narrower dtype than they were computed in: float16 and bfloat16 events are accumulated, and
+# reported, in float32. Every dtype is fixed by `init`, so that straight-line code, loop
+# carries and cond branches agree; values are cast explicitly (strict dtype promotion).
+
+
+def _is_half(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and np.dtype(dtype).itemsize < 4
+
+
+def _default(kind: str) -> np.dtype:
+    """JAX's default dtype of a kind ("i", "u", "f"): 32 bits, or 64 under `jax_enable_x64`."""
+    return np.dtype(jax.dtypes.canonicalize_dtype(np.dtype(f"{kind}8")))
+
+
+def _sum_dtype(dtype) -> np.dtype:
+    """Sum's dtype: `jnp.sum`'s for bool and integers (those narrower than JAX's default
+    integer widen to it, unsigned ones to the default unsigned), float32 for float16 and
+    bfloat16, other dtypes kept."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
+        default = _default("u" if jnp.issubdtype(dtype, jnp.unsignedinteger) else "i")
+        return default if dtype.itemsize < default.itemsize else dtype
+    return np.dtype(np.float32) if _is_half(dtype) else dtype
+
+
+def _float_dtype(dtype) -> np.dtype:
+    """The dtype of a statistic (Mean, Var, Std, EMA): float32 and wider inexact dtypes kept,
+    float32 for float16 and bfloat16, JAX's default float for bool and integers (as
+    `jnp.mean`)."""
+    dtype = np.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact):
+        return _default("f")
+    return np.dtype(np.float32) if _is_half(dtype) else dtype
+
+
+def _as(x: Any, dtype: Any) -> Array:
+    return jnp.asarray(x, dtype)
 
 
 def _count(valid) -> Array:
@@ -130,7 +166,7 @@ def _count(valid) -> Array:
 
 
 class Last(AbstractReduction):
-    """The latest event (NaN, or 0 for integers, if none happened)."""
+    """The latest event (NaN, or 0 for integers, if none happened), in the events' dtype."""
 
     def init(self, struct, max_events):
         value = jtu.tree_map(lambda s: jnp.full(s.shape, _nan_or_zero(s.dtype), s.dtype), struct)
@@ -154,7 +190,7 @@ class Last(AbstractReduction):
 
 
 class First(AbstractReduction):
-    """The first event (NaN, or 0 for integers, if none happened)."""
+    """The first event (NaN, or 0 for integers, if none happened), in the events' dtype."""
 
     def init(self, struct, max_events):
         return Last().init(struct, max_events)
@@ -172,20 +208,25 @@ class First(AbstractReduction):
 
 
 class Sum(AbstractReduction):
-    """The sum of the events (booleans are summed as int32)."""
+    """The sum of the events.
+
+    The output dtype is `jnp.sum`'s for booleans and integers: those narrower than JAX's
+    default integer widen to it (int8, int16 and bool give int32, uint8 and uint16 give
+    uint32; int64 and uint64 under `jax_enable_x64`), wider ones are kept (and wrap on
+    overflow, as in `jnp.sum`). float16 and bfloat16 events are summed, and reported, in
+    float32; other dtypes are kept.
+    """
 
     def init(self, struct, max_events):
-        def zeros(s):
-            return jnp.zeros(s.shape, jnp.int32 if s.dtype == jnp.bool_ else s.dtype)
-
-        return jtu.tree_map(zeros, struct)
+        return jtu.tree_map(lambda s: jnp.zeros(s.shape, _sum_dtype(s.dtype)), struct)
 
     def update(self, state, value, valid):
-        return jtu.tree_map(lambda s, v: s + jnp.where(valid, v, 0).astype(s.dtype), state, value)
+        return jtu.tree_map(lambda s, v: jnp.where(valid, s + _as(v, s.dtype), s), state, value)
 
     def update_many(self, state, values):
         def add(s, *vs):
-            return s + jnp.sum(jnp.stack([jnp.asarray(v, s.dtype) for v in vs]), axis=0)
+            block = jnp.stack([_as(v, s.dtype) for v in vs])
+            return s + jnp.sum(block, axis=0, dtype=s.dtype)
 
         return jtu.tree_map(add, state, *values)
 
@@ -197,7 +238,7 @@ class Sum(AbstractReduction):
 
 
 class Count(AbstractReduction):
-    """The number of events."""
+    """The number of events, as an int32 scalar."""
 
     def init(self, struct, max_events):
         return jnp.zeros((), jnp.int32)
@@ -213,7 +254,12 @@ class Count(AbstractReduction):
 
 
 class Mean(AbstractReduction):
-    """The mean of the events, as a numerically stable running mean (NaN if none)."""
+    """The mean of the events, as a numerically stable running mean (NaN if none).
+
+    The output dtype is `jnp.mean`'s, but never narrower than float32: float32 and float64
+    events keep their dtype, float16 and bfloat16 ones are averaged, and reported, in float32,
+    booleans and integers give JAX's default float (float32; float64 under `jax_enable_x64`).
+    """
 
     def init(self, struct, max_events):
         mean = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
@@ -221,26 +267,30 @@ class Mean(AbstractReduction):
 
     def update(self, state, value, valid):
         count = state["count"] + _count(valid)
-        scale = 1.0 / jnp.maximum(count, 1)
+        safe = jnp.maximum(count, 1)
 
         def step(m, v):
-            return m + (scale * (v - m)).astype(m.dtype)
+            return m + (_as(v, m.dtype) - m) / safe.astype(m.dtype)
 
         mean = _select(valid, jtu.tree_map(step, state["mean"], value), state["mean"])
         return {"mean": mean, "count": count}
 
     def update_many(self, state, values):
         def mean(m, *vs):
-            return jnp.mean(jnp.stack([jnp.asarray(v, m.dtype) for v in vs]), axis=0)
+            return jnp.mean(jnp.stack([_as(v, m.dtype) for v in vs]), axis=0, dtype=m.dtype)
 
-        block = {"mean": jtu.tree_map(mean, state["mean"], *values), "count": len(values)}
+        count = jnp.asarray(len(values), jnp.int32)
+        block = {"mean": jtu.tree_map(mean, state["mean"], *values), "count": count}
         return Mean.merge(self, state, block)  # `self.merge`: a Module per access
 
     def merge(self, a, b):
         count = a["count"] + b["count"]
-        w = jnp.where(count > 0, b["count"] / jnp.maximum(count, 1), 0.0)
-        mean = jtu.tree_map(lambda x, y: x + (w * (y - x)).astype(x.dtype), a["mean"], b["mean"])
-        return {"mean": mean, "count": count}
+        safe = jnp.maximum(count, 1)
+
+        def mean(x, y):  # b's weight; 0 where neither has events
+            return x + (y - x) * (b["count"].astype(x.dtype) / safe.astype(x.dtype))
+
+        return {"mean": jtu.tree_map(mean, a["mean"], b["mean"]), "count": count}
 
     def finalize(self, state):
         return jtu.tree_map(lambda m: jnp.where(state["count"] > 0, m, jnp.nan), state["mean"])
@@ -278,7 +328,8 @@ class _Extremum(AbstractReduction):
 
 
 class Min(_Extremum):
-    """The elementwise minimum over events (NaN, or 0 for integers, if none)."""
+    """The elementwise minimum over events (NaN, or 0 for integers, if none), in the events'
+    dtype (booleans: a logical and)."""
 
     def _better(self, x, y):
         return jnp.minimum(x, y)
@@ -290,7 +341,8 @@ class Min(_Extremum):
 
 
 class Max(_Extremum):
-    """The elementwise maximum over events (NaN, or 0 for integers, if none)."""
+    """The elementwise maximum over events (NaN, or 0 for integers, if none), in the events'
+    dtype (booleans: a logical or)."""
 
     def _better(self, x, y):
         return jnp.maximum(x, y)
@@ -302,7 +354,8 @@ class Max(_Extremum):
 
 
 class Var(AbstractReduction):
-    """The (population, ddof=0) variance over events: Welford updates, Chan's merge."""
+    """The (population, ddof=0) variance over events: Welford updates, Chan's merge. The
+    output dtype is Mean's (never narrower than float32)."""
 
     def init(self, struct, max_events):
         zeros = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
@@ -310,12 +363,13 @@ class Var(AbstractReduction):
 
     def update(self, state, value, valid):
         count = state["count"] + _count(valid)
-        scale = 1.0 / jnp.maximum(count, 1)
+        safe = jnp.maximum(count, 1)
+        value = jtu.tree_map(lambda m, v: _as(v, m.dtype), state["mean"], value)
         delta = jtu.tree_map(lambda m, v: v - m, state["mean"], value)
-        mean = jtu.tree_map(lambda m, d: m + (scale * d).astype(m.dtype), state["mean"], delta)
+        mean = jtu.tree_map(lambda m, d: m + d / safe.astype(m.dtype), state["mean"], delta)
 
         def m2(m2, d, v, m):
-            return m2 + (d * (v - m)).astype(m2.dtype)
+            return m2 + d * (v - m)
 
         new = {"mean": mean, "m2": jtu.tree_map(m2, state["m2"], delta, value, mean)}
         old = {"mean": state["mean"], "m2": state["m2"]}
@@ -327,11 +381,12 @@ class Var(AbstractReduction):
         safe = jnp.maximum(n, 1)
 
         def mean(ma, mb):
-            return ma + ((mb - ma) * (nb / safe)).astype(ma.dtype)
+            return ma + (mb - ma) * (nb.astype(ma.dtype) / safe.astype(ma.dtype))
 
-        def m2(ma, mb, m2a, m2b):
+        def m2(ma, mb, m2a, m2b):  # in floats: na * nb may exceed int32
             delta = mb - ma
-            return m2a + m2b + (delta**2 * (na * nb / safe)).astype(m2a.dtype)
+            fa, fb, fn = (x.astype(ma.dtype) for x in (na, nb, safe))
+            return m2a + m2b + delta**2 * (fa * fb / fn)
 
         return {
             "mean": jtu.tree_map(mean, a["mean"], b["mean"]),
@@ -341,13 +396,14 @@ class Var(AbstractReduction):
 
     def finalize(self, state):
         n = state["count"]
+        safe = jnp.maximum(n, 1)
         return jtu.tree_map(
-            lambda m2: jnp.where(n > 0, m2 / jnp.maximum(n, 1), jnp.nan), state["m2"]
+            lambda m2: jnp.where(n > 0, m2 / safe.astype(m2.dtype), jnp.nan), state["m2"]
         )
 
 
 class Std(Var):
-    """The (population, ddof=0) standard deviation over events."""
+    """The (population, ddof=0) standard deviation over events, in Mean's dtype."""
 
     def finalize(self, state):
         return jtu.tree_map(jnp.sqrt, super().finalize(state))
@@ -355,7 +411,8 @@ class Std(Var):
 
 class EMA(AbstractReduction):
     """The bias-corrected exponential moving average of the events:
-    `sum_i (1 - decay) decay^(n-1-i) x_i / (1 - decay^n)` (the first event is returned as is).
+    `sum_i (1 - decay) decay^(n-1-i) x_i / (1 - decay^n)` (the first event is returned as is),
+    in Mean's dtype (never narrower than float32); NaN if none.
 
     **Arguments:**
 
@@ -372,30 +429,41 @@ class EMA(AbstractReduction):
 
     def init(self, struct, max_events):
         total = jtu.tree_map(lambda s: jnp.zeros(s.shape, _float_dtype(s.dtype)), struct)
-        return {"total": total, "weight": jnp.zeros((), jnp.float32)}
+        # the weight in the widest of the totals' (real) dtypes
+        wide = any(jnp.finfo(t.dtype).bits > 32 for t in jtu.tree_leaves(total))
+        return {"total": total, "weight": jnp.zeros((), jnp.float64 if wide else jnp.float32)}
 
     def update(self, state, value, valid):
-        d, c = self.decay, 1.0 - self.decay
-        total = jtu.tree_map(lambda t, v: (d * t + c * v).astype(t.dtype), state["total"], value)
-        new = {"total": total, "weight": (d * state["weight"] + c).astype(jnp.float32)}
+        def step(t, v):
+            d = _as(self.decay, t.dtype)
+            return d * t + (1 - d) * _as(v, t.dtype)
+
+        total = jtu.tree_map(step, state["total"], value)
+        new = {"total": total, "weight": step(state["weight"], 1)}
         return _select(valid, new, state)
 
     def merge(self, a, b):
-        carry = 1.0 - b["weight"]  # decay ** (number of events in b)
-        total = jtu.tree_map(lambda x, y: (carry * x + y).astype(x.dtype), a["total"], b["total"])
+        carry = 1 - b["weight"]  # decay ** (number of events in b)
+
+        def total(x, y):
+            return carry.astype(x.dtype) * x + y
+
+        total = jtu.tree_map(total, a["total"], b["total"])
         return {"total": total, "weight": carry * a["weight"] + b["weight"]}
 
     def finalize(self, state):
         w = state["weight"]
+        safe = jnp.where(w > 0, w, 1)
         return jtu.tree_map(
-            lambda t: jnp.where(w > 0, t / jnp.where(w > 0, w, 1), jnp.nan), state["total"]
+            lambda t: jnp.where(w > 0, t / safe.astype(t.dtype), jnp.nan), state["total"]
         )
 
 
 class Histogram(AbstractReduction):
     """Counts of all elements of all events in `bins` equal bins over `range` (as
     `numpy.histogram`: the last bin includes its right edge, values outside are ignored).
-    The bin edges are `jnp.linspace(*range, bins + 1)`."""
+    The bin edges are `jnp.linspace(*range, bins + 1)`; events are compared in float32 and
+    counted in int32."""
 
     bins: int = eqx.field(static=True)
     range: tuple[float, float] = eqx.field(static=True)

@@ -217,8 +217,24 @@ def _custom_vjp_apply(interp, eqn, invals, states):
     return t.finish(flat, states)
 
 
-register(_compat.CUSTOM_JVP, _call_count, _custom_jvp_apply)
-register(_compat.CUSTOM_VJP, _call_count, _custom_vjp_apply)
+def _custom_count(interp, eqn):
+    """The primal's events; where it logs, the user's rule is traced too (as JAX traces it when
+    it differentiates), and must log each key the primal logs with the same dtype: under
+    differentiation its events replace the primal's, and a key's layout may not depend on
+    whether a derivative is taken."""
+    counts = interp.count(_compat.call_jaxpr(eqn))
+    if counts:
+        try:
+            with logging_as(current_prefix()):
+                rule = _compat.custom_rule_jaxpr(eqn)
+        except Exception:  # noqa: BLE001 (traced only when JAX differentiates, then checked)
+            return counts
+        interp.check_rule_dtypes(rule, _custom_name(eqn))
+    return counts
+
+
+register(_compat.CUSTOM_JVP, _custom_count, _custom_jvp_apply)
+register(_compat.CUSTOM_VJP, _custom_count, _custom_vjp_apply)
 
 
 # -- custom_linear_solve: rebuilt with the states as the solve's auxiliary output ---------------
@@ -266,6 +282,60 @@ def _linear_solve_apply(interp, eqn, invals, states):
 
 
 register(_compat.LINEAR_SOLVE, _linear_solve_count, _linear_solve_apply)
+
+
+# -- Equinox's primitives: lineax's linear_solve ----------------------------------------------
+# Their logs are those of their implementation, traced as JAX lowers it (`opaque_body`): a
+# linear operator's `mv` may log, as a jaxpr among the parameters or as a Python function.
+# lineax's `LU`, `QR`, `Cholesky`, ... solve from a state made outside the primitive (where the
+# operator is materialised, and its events captured as any); `CG`, `GMRES`, ... call `mv` in
+# the primitive's loop. Where the implementation logs, the outputs and the events come from
+# evaluating it once, the derivatives from the primitive's own JVP rule (lineax's, implicit);
+# elsewhere the primitive is bound as it is. Either way with logging off, as the jaxprs among
+# its parameters cannot be rebuilt without their logs (lineax compares them with those other
+# closure-converted functions hold): what its JVP and transpose rules run (the operator's `mv`
+# on tangents, the transposed solve) is the derivative's, not the user's forward events.
+
+
+def _opaque_count(interp, eqn):
+    body = interp.opaque_body(eqn)
+    if body is None:
+        interp.unhandled(eqn)
+    return interp.count(body)
+
+
+def _opaque_apply(interp, eqn, invals, states):
+    body = interp.opaque_body(eqn)
+    if body is None:
+        interp.unhandled(eqn)
+    if not interp.has_log(body):  # logs only in functions the implementation never calls
+        with logging_as(current_prefix(), enabled=False):
+            return _compat.bind_eqn(eqn, invals), states
+    primal = [lax.stop_gradient(x) for x in invals]
+    interp.with_lanes(primal, interp.lanes(invals))
+    outs, states = interp.eval(body, primal, states, settle=False)
+    return _with_jvp_of(eqn, list(invals), list(outs)), states
+
+
+def _with_jvp_of(eqn, invals, outs):
+    """`outs`, with the derivatives of `eqn` (bound on `invals`) as theirs."""
+    prefix = current_prefix()
+
+    @jax.custom_jvp
+    def attach(args, outs):
+        del args
+        return outs
+
+    def attach_jvp(primals, tangents):
+        (args, outs), (t_args, _) = primals, tangents
+        with logging_as(prefix, enabled=False):
+            return outs, _compat.primitive_jvp(eqn, args, t_args)[1]
+
+    attach.defjvp(attach_jvp, symbolic_zeros=True)  # lineax's rule wants its zeros symbolic
+    return attach(invals, outs)
+
+
+register(_compat.EQUINOX_PRIMITIVES, _opaque_count, _opaque_apply)
 
 
 # -- hi primitives (jax >= 0.12): lax.custom_root ---------------------------------------------

@@ -1,5 +1,6 @@
 """The public transforms: `spool` and `nolog`."""
 
+import dataclasses
 import functools
 import types
 import weakref
@@ -11,7 +12,7 @@ import jax
 import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
-from . import _compat, _masking  # noqa: F401  (registers the batching rules for masked events)
+from . import _compat, _masking, _nnx  # noqa: F401  (_masking: registers batching rules)
 from ._interpret import Interpreter
 from ._logdict import LogDict
 from ._policy import Policy, with_options
@@ -112,7 +113,51 @@ def _make(fun: Callable, policy: Any, keep: bool, options: dict[str, Any]) -> "_
     policy = with_options(policy, "eqx_logs.spool", **options)
     if not callable(fun):
         raise TypeError(f"eqx_logs.spool expects a callable, got {type(fun).__name__}.")
-    return eqx.module_update_wrapper(_Spooled(fun, policy, keep))
+    return update_wrapper(_Spooled(fun, policy, keep))
+
+
+_W = TypeVar("_W", bound=eqx.Module)
+_ABSENT = object()
+
+# what `functools.wraps` and `eqx.module_update_wrapper` copy (Equinox's
+# `WRAPPER_FIELD_NAMES`), each with the types it may have and its value where nothing has it
+_WRAPPER_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
+    "__module__": ((str, type(None)), None),
+    "__name__": ((str,), None),
+    "__qualname__": ((str,), None),
+    "__doc__": ((str, type(None)), None),
+    "__annotations__": ((dict,), {}),
+}
+
+
+def update_wrapper(wrapper: _W) -> _W:
+    """`eqx.module_update_wrapper(wrapper)`, for every public wrapper (spool, tap, plant, the
+    loggers'), with all the fields `functools.wraps` copies set.
+
+    Equinox keeps a wrapper's copied fields through flattening as a whole: one it did not copy
+    comes back from `tree_unflatten` as a `Missing` sentinel. A callable object (an Equinox
+    model) has a `__doc__` but no `__name__`, so `eqx.filter_jit(spool(model))`, which
+    unflattens `spool(model)`, was named `Missing`, and `functools.wraps` (`nolog`,
+    `jax.named_call`) and `jax.jit` of it raised `TypeError: __name__ must be set to a string
+    object`. Here each field is taken from the first of the wrapped function, those it wraps
+    (`__wrapped__`) and the innermost one's class that has it: a model is named by its class,
+    as `eqx.filter_jit` names its computation."""
+    chain = [wrapper.__wrapped__]  # pyright: ignore[reportAttributeAccessIssue]
+    while len(chain) < 64 and hasattr(chain[-1], "__wrapped__"):
+        chain.append(chain[-1].__wrapped__)
+    chain.append(type(chain[-1]))
+    names = types.SimpleNamespace()
+    for field, (kinds, default) in _WRAPPER_FIELDS.items():
+        values = (getattr(f, field, _ABSENT) for f in chain)
+        setattr(names, field, next((v for v in values if isinstance(v, kinds)), default))
+    out = eqx.module_update_wrapper(wrapper, names)
+    # `module_update_wrapper` copies the fields' pytrees: a Flax NNX model (or a wrapper of
+    # one) is kept itself, so that what changes in its Variables is the user's (see `_nnx.py`)
+    for field in dataclasses.fields(wrapper):
+        value = getattr(wrapper, field.name, None)
+        if _nnx.has_variables(value):
+            object.__setattr__(out, field.name, value)
+    return out
 
 
 @functools.lru_cache(maxsize=256)  # bounded: it keeps the functions alive
@@ -145,7 +190,10 @@ class _Spooled(eqx.Module):
             return _spool_run(self.fun, self.policy, self.keep, args, kwargs)
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         static, arrays = _split(self)
-        out, children, layout = _spool_call((static, current_prefix(), arrays), args, kwargs)
+        parts = (static, current_prefix(), arrays)
+        out, children, layout, written = _spool_call(parts, args, kwargs)
+        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
+            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.spool")
         return out, LogDict.tree_unflatten(layout.value, children)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
@@ -156,14 +204,19 @@ class _Spooled(eqx.Module):
 def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
     """Trace `fun(*args, **kwargs)` with logging on, filtered like `eqx.filter_jit` (arrays are
     inputs, everything else is static). Returns the jaxpr, its inputs, and a function that
-    rebuilds `fun`'s output from the jaxpr's outputs."""
+    rebuilds `fun`'s output from the jaxpr's outputs. What `fun` writes in place into the
+    Flax NNX Variables of its (traced copies of its) arguments is an output too, and
+    `rebuild` writes it into those of `fun`, `args` and `kwargs` (see `_nnx.py`)."""
     dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_structure = []
 
     def flat_fun(*flat_args):
         f, a, k = eqx.combine(jtu.tree_unflatten(treedef, flat_args), static)
-        out_dynamic, out_static = eqx.partition(f(*a, **k), eqx.is_array)
+        before = _nnx.snapshot((f, a, k))
+        out = f(*a, **k)
+        written = _nnx.updates(before, (f, a, k), "eqx_logs")
+        out_dynamic, out_static = eqx.partition((out, written), eqx.is_array)
         leaves, out_def = jtu.tree_flatten(out_dynamic)
         out_structure.append((out_def, out_static))
         return leaves
@@ -173,7 +226,9 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
     def rebuild(outs):
         out_def, out_static = out_structure[-1]
-        return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
+        out, written = eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
+        _nnx.apply((fun, args, kwargs), written, "eqx_logs")
+        return out
 
     return closed, flat, rebuild
 
@@ -220,7 +275,9 @@ def _split(spooled: "_Spooled") -> tuple[_Static, list[Any]]:
         leaves, treedef = jtu.tree_flatten((spooled.fun, spooled.policy))
         arrays = [x for x in leaves if eqx.is_array(x)]
         static = tuple(None if eqx.is_array(x) else x for x in leaves)
-        hit = _SPLITS[spooled] = (_Static((static, treedef, spooled.keep)), arrays)
+        hit = (_Static((static, treedef, spooled.keep)), arrays)
+        if not _nnx.has_variables(spooled.fun):  # (an NNX model's arrays change in place)
+            _SPLITS[spooled] = hit
     return hit
 
 
@@ -231,11 +288,13 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     arrays = iter(arrays)
     leaves = [next(arrays) if x is None else x for x in leaves]
     fun, policy = jtu.tree_unflatten(treedef, leaves)
+    before = _nnx.snapshot((fun, args, kwargs))
     out, logs = _spool_run(fun, policy, keep, args, kwargs)
+    written = _nnx.updates(before, (fun, args, kwargs), "eqx_logs.spool")
     # the LogDict leaves as a list, its structure static: Equinox splits and rebuilds a
     # list faster than a LogDict, and the caller rebuilds that once
     children, layout = logs.tree_flatten()
-    return out, children, _Static(layout)
+    return out, children, _Static(layout), written or None
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:

@@ -1,12 +1,12 @@
 """Statistics of arrays, reduced on device: `log_stats`, and what `instrument` logs."""
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import equinox as eqx
 import jax.numpy as jnp
 import jax.tree_util as jtu
-import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
@@ -30,66 +30,91 @@ def _float(x: Array) -> Array:
 STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
-def _compute(x: Array, *, stats: tuple[str, ...]) -> list[Array]:
-    """The statistics `stats` of all of `x`, in at least float32, in as few passes over `x`
-    as a CPU makes (it runs each reduction as a loop of its own, and writes out an
-    elementwise array that two reductions share):
+def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> list[Array]:
+    """The statistics `stats` of `x`, in at least float32: over all of it, or, with `lanes`,
+    over all but its first `lanes` axes (independent runs: a `vmap` outside the spool), one
+    statistic per lane. In as few passes over `x` as a CPU makes (it runs each reduction as a
+    loop of its own, and writes out an elementwise array that two reductions share):
 
     - the common case takes `max |x|`, `sum x` and `sum x**2`: reductions of `x` itself, each
       with its elementwise operation fused in, so nothing the size of `x` is written;
-    - one `lax.cond` goes to a careful path where those cannot serve: `x` has a NaN or an
-      infinity (then `nonfinite` counts them, and the other statistics are not finite), the
-      sums overflow (values past about 1e16) or the squares underflow (below about 1e-19),
-      or the mean dwarfs the spread (the variance from the two sums would cancel). It scales
-      `x` by a power of two (exactly) and takes the variance around the mean. So a finite
-      array has finite statistics, and `first_nonfinite` finds the value, not its statistic.
+    - one `lax.cond` goes to a careful path where those cannot serve (in any lane): `x` has
+      a NaN or an infinity (then `nonfinite` counts them, and the other statistics are not
+      finite), the sums overflow (values past about 1e16) or the squares underflow (below
+      about 1e-19), or the mean dwarfs the spread (the variance from the two sums would
+      cancel). It scales `x` by a power of two (exactly) and takes the variance around the
+      mean. So a finite array has finite statistics, but for a `norm` past the dtype's
+      largest value, and `first_nonfinite` finds the value, not its statistic.
     """
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
-    n = x.size
-    absmax = jnp.max(jnp.abs(x))
-    zero = jnp.zeros((), x.dtype)
+    lanes = lanes or 0
+    axes = tuple(range(lanes, x.ndim))
+    n = math.prod(x.shape[lanes:])
+    size = jnp.asarray(n, x.dtype)
+
+    def per_lane(y):  # a lane's value, broadcast against `x`
+        return jnp.reshape(y, y.shape + (1,) * len(axes))
+
+    absmax = jnp.max(jnp.abs(x), axis=axes)
+    zero = jnp.zeros(x.shape[:lanes], x.dtype)
     out: dict[str, Array] = {"absmax": absmax}
     if need & {"mean", "std", "rms", "norm", "nonfinite"}:
-        total = jnp.sum(x) if need & {"mean", "std"} else zero
-        squares = jnp.sum(jnp.square(x)) if need & {"std", "rms", "norm"} else zero
-        mean, square = total / n, squares / n
-        var = jnp.maximum(square - mean * mean, 0)
+        total = jnp.sum(x, axis=axes) if need & {"mean", "std"} else zero
+        squares = jnp.sum(jnp.square(x), axis=axes) if need & {"std", "rms", "norm"} else zero
+        mean, square = total / size, squares / size
+        var = jnp.maximum(square - mean * mean, jnp.zeros((), x.dtype))
         ok = jnp.isfinite(absmax) & jnp.isfinite(total) & jnp.isfinite(squares)
         if need & {"std", "rms", "norm"}:  # squares of tiny values lose their digits
             ok = ok & ((square >= jnp.finfo(x.dtype).tiny) | (absmax == 0))
         if "std" in need:
-            ok = ok & (var >= 1e-3 * square)  # else the one-pass variance cancels
+            ok = ok & (var >= jnp.asarray(1e-3, x.dtype) * square)  # else it cancels
 
         def quick():
-            return mean, jnp.sqrt(var), jnp.sqrt(square), jnp.zeros((), jnp.int32)
+            return mean, jnp.sqrt(var), jnp.sqrt(square), jnp.zeros(x.shape[:lanes], jnp.int32)
 
         def careful():
             finite = jnp.isfinite(absmax)
             # 2**-e with `absmax < 2**e`, between 2**-126 and 2**126: exact, no subnormals
-            e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, 1))[1]
+            e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, jnp.ones_like(absmax)))[1]
             scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
-            y = x * scale
-            m = jnp.sum(y) / n
-            d = y - m
+            y = x * per_lane(scale)
+            m = jnp.sum(y, axis=axes) / size
+            d = y - per_lane(m)
             # around the computed mean, corrected for its rounding error
-            var = jnp.maximum(jnp.sum(jnp.square(d)) / n - jnp.square(jnp.sum(d) / n), 0)
-            count = jnp.sum(~jnp.isfinite(x), dtype=jnp.int32) if inexact else 0
+            drift = jnp.sum(d, axis=axes) / size
+            var = jnp.sum(jnp.square(d), axis=axes) / size - jnp.square(drift)
+            var = jnp.maximum(var, jnp.zeros((), x.dtype))
+            if inexact:
+                count = jnp.sum(~jnp.isfinite(x), axis=axes, dtype=jnp.int32)
+            else:
+                count = jnp.zeros(x.shape[:lanes], jnp.int32)
             nonfinite = jnp.where(finite, 0, count).astype(jnp.int32)
-            rms = jnp.sqrt(var + jnp.square(m)) / scale
-            return m / scale, jnp.sqrt(var) / scale, rms, nonfinite
+            # NaN for a value that is not finite: an infinite `norm` is a finite value's
+            # overflow, which `first_nonfinite` does not report (`overflows`)
+            rms = jnp.where(finite, jnp.sqrt(var + jnp.square(m)) / scale, jnp.nan)
+            slow = (m / scale, jnp.sqrt(var) / scale, rms, nonfinite)
+            # lanes the quick path serves keep its values (all of them but one, usually)
+            return tuple(jnp.where(ok, a, b) for a, b in zip(quick(), slow))
 
-        mean, std, rms, nonfinite = lax.cond(ok, quick, careful)
-        out.update(mean=mean, std=std, rms=rms, norm=rms * np.sqrt(n), nonfinite=nonfinite)
+        mean, std, rms, nonfinite = lax.cond(jnp.all(ok), quick, careful)
+        norm = rms * jnp.sqrt(size)
+        out.update(mean=mean, std=std, rms=rms, norm=norm, nonfinite=nonfinite)
     if "min" in need:
-        out["min"] = jnp.min(x)
+        out["min"] = jnp.min(x, axis=axes)
     if "max" in need:
-        out["max"] = jnp.max(x)
+        out["max"] = jnp.max(x, axis=axes)
     return [out[name] for name in stats]
 
 
 DEFAULT_STATS = ("mean", "std", "rms", "absmax", "nonfinite")
+
+
+def overflows(key: str) -> bool:
+    """Whether the statistic logged under `key` may be infinite for a finite value: a
+    `norm` past the dtype's largest value (of a value that is not finite, it is NaN)."""
+    return key == "norm" or key.endswith("/norm")
 
 
 def check_stats(stats: Any, where: str) -> tuple[str, ...]:
@@ -113,45 +138,80 @@ def path_name(path: Sequence[Any]) -> str:
     return jtu.keystr(tuple(path)).removeprefix(".")
 
 
-# The statistics of one array, over all of it: under `jax.vmap`, over every lane at once (its
-# batching rule binds it on the batched array, with unbatched outputs), so a module vmapped
-# over a batch or over tokens has one statistic per call, not one per lane. No derivative:
-# the statistics are logged, not differentiated. Lowered behind an optimization barrier: XLA
-# would otherwise share the statistics' arithmetic with the model's (an `x*x` with a GELU's
-# derivative) and keep that shared array alive until the backward pass.
+# The statistics of one array. `lanes` tells a vmap inside the spool from one outside it:
+#
+# - bound by `log_stats` (and `instrument`), as the spool traces the user's function, it is
+#   None: a `vmap` there is the model's batch (or its tokens), and the batching rule binds it
+#   on the batched array, with unbatched outputs: one statistic per call, not one per lane;
+# - the spool or tap that evaluates the equation binds it again with `lanes=0` (`per_lane`),
+#   and from there each `vmap` is outside the spool (seeds, an ensemble, a sweep: independent
+#   runs): its batching rule moves the batch axis in front and counts it as a lane, so each
+#   lane gets the statistics it would have alone (`vmap(spool(f))(xs)[i] == spool(f)(xs[i])`).
+#
+# No derivative: the statistics are logged, not differentiated. Lowered behind an
+# optimization barrier: XLA would otherwise share the statistics' arithmetic with the model's
+# (an `x*x` with a GELU's derivative) and keep that shared array alive until the backward
+# pass.
 stats_p = _compat.Primitive("eqx_logs.stats")
 stats_p.multiple_results = True
 stats_p.def_impl(_compute)
 stats_p.def_abstract_eval(
-    lambda aval, *, stats: [
-        _compat.ShapedArray((), jnp.int32 if name == "nonfinite" else _float_dtype(aval.dtype))
+    lambda aval, *, stats, lanes: [
+        _compat.ShapedArray(
+            aval.shape[: lanes or 0],
+            jnp.int32 if name == "nonfinite" else _float_dtype(aval.dtype),
+        )
         for name in stats
     ]
 )
 _compat.def_no_derivative(stats_p)
-_compat.def_batching(
-    stats_p, lambda args, dims, *, stats: (stats_p.bind(*args, stats=stats), [None] * len(stats))
-)
+
+
+def _batch(args, dims, *, stats, lanes):
+    (x,), (d,) = args, dims
+    if lanes is None:  # a vmap inside the spool: over the batch too
+        return stats_p.bind(x, stats=stats, lanes=None), [None] * len(stats)
+    x = jnp.moveaxis(x, d, 0)  # a vmap outside it: one more lane, in front
+    return stats_p.bind(x, stats=stats, lanes=lanes + 1), [0] * len(stats)
+
+
+_compat.def_batching(stats_p, _batch)
 _compat.def_lowering(
-    stats_p, lambda x, *, stats: _compute(lax.optimization_barrier(x), stats=stats)
+    stats_p,
+    lambda x, *, stats, lanes: _compute(lax.optimization_barrier(x), stats=stats, lanes=lanes),
 )
+
+
+def per_lane(eqn: _compat.JaxprEqn) -> _compat.JaxprEqn:
+    """`eqn`, a statistics equation, as the spool or tap evaluating it binds it: from here
+    on, each `vmap` around it is one of independent runs (see `stats_p`)."""
+    if eqn.params["lanes"] is not None:
+        return eqn
+    return _compat.with_params(eqn, lanes=0)
 
 
 def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
-    """`{name: statistic of x}` for every name in `stats`, over all of `x` (and every vmap
-    lane of it)."""
-    return dict(zip(stats, stats_p.bind(jnp.asarray(x), stats=stats)))
+    """`{name: statistic of x}` for every name in `stats`, over all of `x` (and every lane
+    of a vmap inside the spool)."""
+    return dict(zip(stats, stats_p.bind(jnp.asarray(x), stats=stats, lanes=None)))
 
 
-def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...]) -> dict[str, Array]:
+def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...], site: str) -> dict[str, Array]:
     """`{"<name>/<leaf path>/<stat>": value}` for every array leaf of `tree` (a lone array:
     `"<name>/<stat>"`). Leaves that are not arrays (None, functions, Python scalars an
-    Equinox module keeps static) are not statistics of anything and are skipped."""
+    Equinox module keeps static) are not statistics of anything and are skipped; an empty
+    array has none, and is an error naming it (`site`: the call that asked)."""
     items = {}
     for path, leaf in jtu.tree_flatten_with_path(tree)[0]:
         if not eqx.is_array(leaf):
             continue
         where = "/".join(filter(None, (name, path_name(path))))
+        if leaf.size == 0:
+            raise ValueError(
+                f"eqx_logs statistics at {site}: the array {where!r} (shape {leaf.shape}) "
+                f"has no elements, so its statistics {stats} are not defined. Leave it out of "
+                "the tree (for `instrument`, with `where=`), or log its shape instead."
+            )
         for stat, value in statistics(leaf, stats).items():
             items[f"{where}/{stat}" if where else stat] = value
     return items
@@ -168,8 +228,10 @@ def log_stats(
     """Log statistics of every array leaf of a pytree, each under a key of its own.
 
     The statistics are computed where the values are, on device; only the scalars are logged.
-    Each is over the whole leaf: under `jax.vmap`, over all lanes together (one value, not
-    one per lane).
+    Each is over the whole leaf: under a `jax.vmap` inside the spool, over all lanes together
+    (one value, not one per lane); under a `jax.vmap` outside it (`jax.vmap(spool(f))`, a
+    batch of independent runs), per lane, as each run alone would have it. A leaf with no
+    elements is an error.
 
     **Arguments:**
 
@@ -179,7 +241,8 @@ def log_stats(
     - `stats`: names from `"mean"`, `"std"`, `"rms"`, `"absmax"`, `"min"`, `"max"`,
         `"norm"` and `"nonfinite"` (the number of NaN and infinite elements). Statistics are
         computed in at least float32.
-    - `tags`, `**steps`: as for `eqx_logs.log`.
+    - `tags`, `**steps`: as for `eqx_logs.log`. (`instrument`'s cotangent statistics carry
+        its tag `"instrument"` and `"backward"`.)
 
     **Returns:**
 
@@ -204,7 +267,7 @@ def log_stats(
         return None  # nothing computed: the program is the one without the call
     tags = _normalise_tags(tags, site)
     step_vals = {n: _check_step(n, s, site) for n, s in steps.items()}
-    items = leaf_statistics(name, tree, stats)
+    items = leaf_statistics(name, tree, stats, site)
     if not items:
         raise ValueError(
             f"eqx_logs.log_stats({name!r}) at {site}: the tree has no array leaves, so there "
@@ -213,4 +276,4 @@ def log_stats(
     prefix = current_prefix()
     if prefix:
         items = {f"{prefix}/{k}": v for k, v in items.items()}
-    bind(items, step_vals, tags=tags, site=site)
+    bind(items, step_vals, tags=tags, site=site, statistics=True)

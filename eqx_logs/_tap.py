@@ -13,13 +13,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from . import _compat
+from . import _compat, _nnx
 from ._deferred import force
 from ._interpret import INTERVAL_STEP, Interpreter
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, is_log, rebind
 from ._rules import RULES, _split, inline_copy_apply
-from ._spool import trace_filtered
+from ._spool import trace_filtered, update_wrapper
 
 _T = TypeVar("_T")
 
@@ -531,7 +531,7 @@ def tap_with(
             "happens and does not look for non-finite values; use `eqx_logs.spool(..., "
             "first_nonfinite=True)` (or `logger.spool`), or check the values in the callback."
         )
-    return eqx.module_update_wrapper(_Tapped(fun, policy, sink, context, every_process))
+    return update_wrapper(_Tapped(fun, policy, sink, context, every_process))
 
 
 class _Tapped(eqx.Module):
@@ -556,7 +556,11 @@ class _Tapped(eqx.Module):
     def __call__(self, *args, **kwargs):
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
         sink = (self.sink, self.every_process)
-        return _tap_call(self.fun, self.policy, sink, current_prefix(), self.context, args, kwargs)
+        scope = current_prefix()
+        out, written = _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
+        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
+            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.tap")
+        return out
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -575,8 +579,10 @@ class _Callback(eqx.Module):
 @eqx.filter_jit
 def _tap_call(fun, policy, sink, scope, context, args, kwargs):
     del scope  # part of the cache key only
+    before = _nnx.snapshot((fun, args, kwargs))
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     interpreter = _TapInterpreter(policy, *sink, context)
     outs = interpreter.run(closed, flat)
     interpreter.warn_if_nothing_selected("eqx_logs.tap")
-    return rebuild(outs)
+    out = rebuild(outs)
+    return out, _nnx.updates(before, (fun, args, kwargs), "eqx_logs.tap") or None

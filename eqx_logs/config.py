@@ -6,7 +6,7 @@ they are not offered as options of the groups themselves):
 - `eqx_logs/logging/base`: `PolicyConfig`, instantiated by `eqx_logs.config.policy` into an
   `eqx_logs.Policy`;
 - `eqx_logs/logger/<backend>`, one per backend: `console`, `jsonl`, `array`, `tensorboard`,
-  `wandb`, `mlflow`, `progress` (`ConsoleLoggerConfig`, ...);
+  `wandb`, `mlflow`, `trackio`, `progress` (`ConsoleLoggerConfig`, ...);
 - `eqx_logs/instrument/base`: `InstrumentConfig`, instantiated by
   `eqx_logs.config.instrumentation` into an `Instrumentation` (`eqx_logs.instrument` as
   configured: `instrumentation(model)`).
@@ -73,6 +73,10 @@ class InstrumentConfig:
 class _LoggerConfig:
     # jax.distributed: every process writes its own copy (`.process<k>`), not process 0 alone
     every_process: bool = False
+    # the writer policy (`AbstractLogger`): a full queue waits ("block") or drops ("drop");
+    # a backend without progress for `stall_timeout` seconds is reported and its writes dropped
+    on_full: str = "block"
+    stall_timeout: float | None = 60.0
 
 
 @dataclass
@@ -129,6 +133,18 @@ class MLflowLoggerConfig(_LoggerConfig):
     experiment: str = "eqx_logs"
     run_name: str = "run"
     step: str = "step"
+
+
+@dataclass
+class TrackioLoggerConfig(_LoggerConfig):
+    """`eqx_logs/logger/trackio`: a [`eqx_logs.loggers.TrackioLogger`][]."""
+
+    _target_: str = "eqx_logs.loggers.TrackioLogger"
+    project: str = "eqx_logs"
+    name: str = "eqx_logs"
+    dir: str | None = None  # trackio's directory (TRACKIO_DIR); null: trackio's own
+    step: str = "step"
+    system_metrics: bool = False
 
 
 @dataclass
@@ -295,15 +311,26 @@ def instrumentation(
     )
 
 
-def multi_logger(*loggers: Any) -> Any:
+def multi_logger(*loggers: Any, on_full: str = "block", stall_timeout: float | None = 60.0) -> Any:
     """An [`eqx_logs.loggers.MultiLogger`][] from logger configs (with `_recursive_: false`, so
     that OmegaConf does not turn the instantiated loggers, which are dataclasses, back into
-    dicts)."""
+    dicts).
+
+    **Arguments:**
+
+    - `*loggers`: the loggers' configs (each with its `_target_`).
+    - `on_full`, `stall_timeout`: the writer policy of every logger whose config does not set
+        its own (`logger.on_full=drop` on the command line; see
+        [`eqx_logs.loggers.AbstractLogger`][]).
+    """
     from hydra.utils import instantiate
 
     from .loggers import MultiLogger
 
-    return MultiLogger(*(instantiate(cfg) for cfg in loggers))
+    policy = {"on_full": on_full, "stall_timeout": stall_timeout}
+    return MultiLogger(
+        *(instantiate(cfg, **{k: v for k, v in policy.items() if k not in cfg}) for cfg in loggers)
+    )
 
 
 def register_configs() -> None:
@@ -321,6 +348,7 @@ def register_configs() -> None:
         ("tensorboard", TensorBoardLoggerConfig),
         ("wandb", WandbLoggerConfig),
         ("mlflow", MLflowLoggerConfig),
+        ("trackio", TrackioLoggerConfig),
         ("progress", ProgressLoggerConfig),
     ):
         cs.store(group="eqx_logs/logger", name=name, node=node)

@@ -53,7 +53,7 @@ class Dense(eqx.Module):
         self.bias = linear.bias
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return x @ self.weight.T + self.bias
+        return x @ self.weight.T + self.bias[None, :]  # no implicit rank promotion
 
 
 class MLP(eqx.Module):

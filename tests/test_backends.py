@@ -48,6 +48,7 @@ from eqx_logs.loggers import (
     TensorBoardLogger,
     WandbLogger,
     WriterError,
+    WriterWarning,
     read_arrays,
     read_jsonl,
     unique_name,
@@ -73,7 +74,7 @@ def program(xs, start, data_cond):
             [
                 x,
                 -2.0 * x,
-                x * t,
+                x * t.astype(x.dtype),
                 jnp.where(t % 3 == 1, jnp.nan, x),
                 jnp.where(t % 3 == 2, -jnp.inf, 0.5),
             ]
@@ -1102,7 +1103,8 @@ def test_multi_logger_error_of_one_child(tmp_path):
     state = multi.init()
     multi.spool(scan_log, state)(np.array([1.0, 2.0, 3.0], np.float32))
     box.gate.set()
-    with pytest.raises(WriterError, match="cannot write 2.0"):
+    # isolated: reported, not raised (tests/test_writer_policy.py tests the counts)
+    with pytest.warns(WriterWarning, match=r"logger 0 \(Failing\) failed.*cannot write 2\.0"):
         multi.flush()
     multi.spool(scan_log, state)(np.array([4.0], np.float32))  # works again
     multi.close()

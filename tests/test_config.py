@@ -37,6 +37,7 @@ from eqx_logs.loggers import (
     MultiLogger,
     ProgressLogger,
     TensorBoardLogger,
+    TrackioLogger,
     WandbLogger,
 )
 
@@ -309,6 +310,11 @@ LOGGER_CASES = {
         MLflowLogger,
         {"tracking_uri": "sqlite:///mlflow.db", "experiment": "train"},
     ),
+    "logger=trackio": (
+        ["logger=trackio"],
+        TrackioLogger,
+        {"project": "train", "name": "train", "dir": None, "step": "step"},
+    ),
     "logger=progress": (
         ["logger=progress", "train.steps=300"],
         ProgressLogger,
@@ -338,7 +344,7 @@ def test_compose_logger(overrides, cls, fields):
 
 
 @pytest.mark.parametrize(
-    "name", ["console", "jsonl", "array", "tensorboard", "wandb", "mlflow", "progress"]
+    "name", ["console", "jsonl", "array", "tensorboard", "wandb", "mlflow", "trackio", "progress"]
 )
 def test_every_process_is_a_logger_key(name):
     # a key of every logger config (multi-process runs), off by default
@@ -346,6 +352,34 @@ def test_every_process_is_a_logger_key(name):
     assert instantiate(compose_cfg(f"logger={name}", *extra).logger).every_process is False
     cfg = compose_cfg(f"logger={name}", "logger.every_process=true", *extra)
     assert instantiate(cfg.logger).every_process is True
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["console", "jsonl", "array", "tensorboard", "wandb", "mlflow", "trackio", "progress", "multi"],
+)
+def test_writer_policy_is_a_logger_key(name):
+    # `on_full` and `stall_timeout` (eqx_logs.loggers.AbstractLogger): keys of every logger
+    # config; for `logger=multi`, of each of its loggers
+    extra = ["logger.mode=offline"] if name == "wandb" else []  # no W&B login here
+
+    def policies(*overrides):
+        logger = instantiate(compose_cfg(f"logger={name}", *extra, *overrides).logger)
+        children = logger.loggers if isinstance(logger, MultiLogger) else (logger,)
+        return {(child.on_full, child.stall_timeout) for child in children}
+
+    assert policies() == {("block", 60.0)}
+    assert policies("logger.on_full=drop", "logger.stall_timeout=2.5") == {("drop", 2.5)}
+    assert policies("logger.stall_timeout=null") == {("block", None)}
+
+
+def test_bad_writer_policy_names_the_key():
+    with pytest.raises(InstantiationException, match=r"on_full='sometimes'.*'block'.*'drop'"):
+        instantiate(compose_cfg("logger.on_full=sometimes").logger)
+    with pytest.raises(InstantiationException, match=r"stall_timeout=-1\.0\): stall_timeout"):
+        instantiate(compose_cfg("logger.stall_timeout=-1").logger)
+    with pytest.raises(ConfigCompositionException, match="logger.stall_timeout=soon"):
+        compose_cfg("logger.stall_timeout=soon")
 
 
 def test_wandb_online_without_a_login_fails_before_training(tmp_path):
@@ -844,6 +878,34 @@ def test_tensorboard_run_reads_back(train_run, debug):
         np.testing.assert_allclose([e.value for e in events], ref[key][::10], rtol=1e-5)
 
 
+def test_trackio_run_reads_back(train_run, debug, tmp_path):
+    """`logger=trackio` with `logger.dir`: the run's values, read back with trackio's reader
+    (in a process of its own: trackio reads its directory once, at import)."""
+    pytest.importorskip("trackio")
+    where = tmp_path / "trackio"
+    run = train_run("trackio", "logger=trackio", f"logger.dir='{where}'").ok()
+    assert re.search(r"^written by TrackioLogger in ", run.stdout, re.M), run.stdout
+    _, _, ref = debug
+    read = (
+        "import json, trackio; from trackio.sqlite_storage import SQLiteStorage as S; "
+        "runs = list(trackio.Api().runs('train')); "
+        "print(json.dumps([(r.name, S.get_logs('train', r.name, run_id=r.id)) for r in runs]))"
+    )
+    env = {**_env(), "TRACKIO_DIR": str(where)}
+    proc = subprocess.run(
+        [sys.executable, "-c", read], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    ((name, rows),) = json.loads(proc.stdout.splitlines()[-1])
+    assert name == "train-0"
+    assert {k for r in rows for k in r} == TRAIN_KEYS | {"step", "timestamp"}
+    for key in TRAIN_KEYS:
+        steps = [r["step"] for r in rows if key in r]
+        assert steps == list(range(0, STEPS, 10)), key
+        values = [r[key] for r in rows if key in r]
+        np.testing.assert_allclose(values, ref[key][::10], rtol=1e-5, err_msg=key)
+
+
 def test_the_summary_is_logged_and_names_the_next_step(train_run):
     """The run's summary is the first thing printed (not JAX's search for a TPU), and Hydra's
     `train.log` holds it too; it ends with the plot command, which the plot test runs."""
@@ -958,6 +1020,15 @@ def test_multirun(train_run):
     assert f"wrote {image}: 1 keys, 2 curves from 2 file(s)" in proc.stdout, proc.stdout
     assert "runs: logging.interval=1, logging.interval=10" in proc.stdout, proc.stdout
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_writer_policy_on_the_command_line(train_run):
+    """`logger.on_full=drop logger.stall_timeout=5`: a healthy backend loses nothing, so the
+    run writes what the default run writes."""
+    run = train_run("writer_policy", "logger.on_full=drop", "logger.stall_timeout=5").ok()
+    default = train_run("default").ok()
+    assert "were not written" not in run.stderr
+    assert read_lines(run.out / "logs.jsonl") == read_lines(default.out / "logs.jsonl")
 
 
 BAD_RUNS = {

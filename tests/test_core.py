@@ -222,7 +222,9 @@ def test_cond_branches_with_different_keys_or_nothing():
             lax.cond(
                 i % 3 == 0,
                 lambda: el.log("even", i),
-                lambda: lax.cond(i % 3 == 1, lambda: el.log("odd", i * 1.0), lambda: None),
+                lambda: lax.cond(
+                    i % 3 == 1, lambda: el.log("odd", i.astype(jnp.float32)), lambda: None
+                ),
             )
             return c, None
 

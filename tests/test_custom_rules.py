@@ -249,6 +249,50 @@ def test_rule_logging_more_often_than_primal_is_an_error():
         jax.grad(lambda x: el.spool(f)(x)[0])(jnp.float32(1.0))
 
 
+def test_a_key_keeps_its_dtype_with_and_without_a_derivative():
+    # the primal logs float32, the JVP rule bfloat16: under differentiation the rule's events
+    # replace the primal's, so the key's layout would depend on `jax.grad`. Refused with or
+    # without a derivative wherever the spool sees both; a cast makes every order agree.
+    def make(cast):
+        @jax.custom_jvp
+        def g(x):
+            el.log("k", x)
+            return jnp.sin(x)
+
+        @g.defjvp
+        def g_jvp(primals, tangents):
+            (x,), (dx,) = primals, tangents
+            el.log("k", x.astype(cast))
+            return jnp.sin(x), jnp.cos(x) * dx
+
+        return lambda x: jnp.sum(g(x))
+
+    f, x = make(jnp.bfloat16), jnp.linspace(0.0, 1.0, 3)
+    match = r"'k' is logged with dtype float32 .* bfloat16 in the derivative rule of the custom_jvp"
+    with pytest.raises(TypeError, match=match):
+        el.spool(f)(x)
+    with pytest.raises(TypeError, match="'k' is logged with dtype float32"):
+        jax.grad(lambda x: el.spool(f)(x)[0])(x)
+
+    f = make(jnp.float32)
+    _, plain = el.spool(f)(x)
+    grads, derived = el.spool(jax.grad(f))(x)
+    (_, outer), _ = jax.jvp(el.spool(f), (x,), (x,))
+    assert_close(grads, np.cos(np.asarray(x)))
+    for logs in (plain, derived, outer):
+        assert logs["k"].dtype == jnp.float32 and logs["k"].shape == (1, 3)
+        assert_close(logs["k"], [x])
+
+    @jax.custom_vjp  # the same for a custom_vjp's forward rule
+    def h(x):
+        el.log("k", x)
+        return x
+
+    h.defvjp(lambda x: (el.log("k", x.astype(jnp.float16)) or x, None), lambda _, g: (g,))
+    with pytest.raises(TypeError, match="float16 in the derivative rule of the custom_vjp"):
+        el.spool(h)(x)
+
+
 # -- diffrax: the adjoint is a custom_vjp around Equinox's checkpointed loop ------------------
 
 

@@ -173,7 +173,8 @@ def test_diffrax_like_shared_first_stage():
 
         def body(c):
             i, acc = c
-            el.log("stage", i + 0 * needs_first)  # batched under vmap, as diffrax's state is
+            # batched under vmap, as diffrax's state is
+            el.log("stage", i + 0 * needs_first.astype(jnp.int32))
             return i + 1, acc + i
 
         def cond(c):

@@ -124,6 +124,14 @@ def test_log_stats_errors_and_nothing_outside_a_spool():
         eqx_logs.log_stats("g", jnp.ones(2), stats=("mean", "median"))
     with pytest.raises(ValueError, match="no array leaves"):
         eqx_logs.spool(lambda: eqx_logs.log_stats("g", {"a": None}))()
+    empty = {"a": jnp.zeros((0, 3)), "b": jnp.ones(2)}
+    with pytest.raises(
+        ValueError, match=r"test_instrument.py.*\"g/\['a'\]\" \(shape \(0, 3\)\) has no"
+    ):
+        eqx_logs.spool(lambda t: eqx_logs.log_stats("g", t))(empty)
+    model = eqx_logs.instrument(eqx.nn.Sequential([eqx.nn.Lambda(lambda x: x[:0])]))
+    with pytest.raises(ValueError, match=r"'layers\[0\]' \(shape \(0,\)\) has no elements"):
+        eqx_logs.spool(model)(jnp.ones(3))
 
     def f(x):
         eqx_logs.log_stats("x", x)
@@ -345,6 +353,7 @@ def test_instrument_scan_over_layers_one_event_per_layer():
     assert_close(logs["layers/grad/rms"][0], np.sqrt(np.mean(ct_last**2)))
 
 
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam (see conftest.py)
 def test_instrument_checkpoint_logs_once_and_optax_trains():
     model = mlp(depth=2)
     im = eqx_logs.instrument(model, stats=("mean",), grads=True)
@@ -813,3 +822,170 @@ def test_instrument_inside_a_diffrax_solve_against_euler_by_hand():
         want = [np_stats(acts[s][i])["mean"] for s in range(n)]
         np.testing.assert_allclose(forward[key][:n], want, rtol=2e-5, atol=1e-6, err_msg=key)
         assert int(backward.count[f"layers[{i}]/grad/mean"]) == n
+
+
+# -- statistics under a vmap outside the spool: one run per lane -----------------------------
+
+
+def _lane(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+@fast
+def test_statistics_under_vmap_of_spool_are_per_lane():
+    # a vmap outside the spool is a batch of runs: each lane's statistics are its own; a
+    # vmap inside it (the model's batch) is reduced over, in every lane
+    xs = jnp.array([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0]])
+    batches = jax.random.normal(jax.random.key(1), (3, 5, 2))
+
+    def f(x, batch):
+        eqx_logs.log_stats("x", x, stats=("mean", "std", "max", "nonfinite"))
+        jax.vmap(lambda b: eqx_logs.log_stats("b", b * x, stats=("mean", "norm")))(batch)
+
+        def body(c, row):
+            eqx_logs.log_stats("row", row + c, stats=("absmax",))
+            return c + 1.0, None
+
+        lax.scan(body, 0.0, batch)
+        return jnp.sum(x)
+
+    spooled = eqx_logs.spool(f)
+    for vmapped in (jax.vmap(spooled), jax.jit(jax.vmap(spooled)), jax.vmap(jax.jit(spooled))):
+        _, logs = vmapped(xs, batches)
+        for i in range(3):
+            x, batch = np.asarray(xs[i], np.float64), np.asarray(batches[i], np.float64)
+            _, alone = spooled(xs[i], batches[i])
+            for key in alone:
+                assert_close(_lane(logs, i)[key], alone[key], key)
+            assert_close(logs["x/mean"][i], [x.mean()])
+            assert_close(logs["x/std"][i], [x.std()])
+            assert_close(logs["b/mean"][i], [(batch * x).mean()])
+            assert_close(logs["b/norm"][i], [np.linalg.norm(batch * x)])
+            want = [np.abs(batch[k] + k).max() for k in range(5)]
+            assert_close(logs["row/absmax"][i], want)
+
+    # two vmaps outside: lanes of lanes; spool(vmap(f)) still reduces over the batch
+    _, logs = jax.vmap(jax.vmap(spooled))(jnp.stack([xs, 2 * xs]), jnp.stack([batches] * 2))
+    assert_close(logs["x/mean"][1, 0], [2 * 1.5])
+    _, logs = eqx_logs.spool(jax.vmap(f))(xs, batches)
+    assert_close(logs["x/mean"], [np.asarray(xs).mean()])
+
+    got = []  # tap under a vmap: one callback per lane, with that lane's statistics
+    tapped = eqx_logs.tap(f, callback=lambda logs, steps: got.append(logs.get("x/mean")))
+    jax.vmap(tapped)(xs, batches)
+    jax.effects_barrier()
+    got = [x for x in got if x is not None]
+    assert_close(sorted(np.ravel(got)), sorted(np.asarray(xs).mean(axis=1)))
+
+
+@fast
+def test_instrument_and_cotangent_statistics_under_vmap_of_spool_are_per_lane():
+    model = eqx_logs.instrument(mlp(), grads=True)
+    xs = jax.random.normal(jax.random.key(2), (4, 6, 3))  # 4 runs of a batch of 6
+
+    def loss(model, x):
+        return jnp.sum(jax.vmap(model)(x) ** 2)
+
+    spooled = eqx_logs.spool(eqx.filter_grad(loss))
+    grads, logs = jax.vmap(spooled, in_axes=(None, 0))(model, xs)
+    assert len(logs) == 30  # 3 layers x 5 statistics x (forward, backward)
+    for i in range(4):
+        want_grads, alone = spooled(model, xs[i])
+        assert_close(_lane(grads.layers[0].weight, i), want_grads.layers[0].weight)
+        for key in alone:
+            assert_close(_lane(logs, i)[key], alone[key], key)
+        acts = jax.vmap(lambda x: hand_activations(model, x))(xs[i])
+        for layer, act in enumerate(acts):
+            assert_close(logs[f"layers[{layer}]/rms"][i], [np_stats(act)["rms"]])
+
+
+@fast
+def test_first_nonfinite_under_vmap_of_spool_reports_each_lane():
+    def f(x):
+        eqx_logs.log({"x": x})
+        eqx_logs.log_stats("s", x * 2, stats=("mean", "nonfinite"))
+        return jnp.sum(x)
+
+    xs = jnp.ones((4, 3)).at[3, 1].set(jnp.nan)
+    _, logs = jax.vmap(eqx_logs.spool(f, first_nonfinite=True))(xs)
+    reports = logs.first_nonfinite
+    assert reports[:3] == [None, None, None]
+    assert reports[3].key == "x" and reports[3].event == 0
+    assert_close(logs["s/nonfinite"], [[0], [0], [0], [1]])
+    assert_close(logs["s/mean"][:3], [[2.0]] * 3)
+
+    def g(x):  # only the statistics: each lane reports its own
+        eqx_logs.log_stats("s", x, stats=("mean",))
+        return 0.0
+
+    _, logs = jax.vmap(jax.vmap(eqx_logs.spool(g, first_nonfinite=True)))(xs.reshape(2, 2, 3))
+    reports = logs.first_nonfinite
+    assert reports[0] == [None, None] and reports[1][0] is None
+    assert reports[1][1].key == "s/mean"
+
+
+@fast
+def test_cotangent_statistics_carry_the_instrument_tag():
+    model = eqx_logs.instrument(mlp(), grads=True, stats=("norm",))
+    grad = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))
+    x = jnp.ones(3)
+    forward = {f"layers[{i}]/norm" for i in range(3)}
+    backward = {f"layers[{i}]/grad/norm" for i in range(3)}
+    _, logs = eqx_logs.spool(grad, tags="instrument")(model, x)
+    assert set(logs) == forward | backward
+    _, logs = eqx_logs.spool(grad, tags="backward")(model, x)
+    assert set(logs) == backward
+    _, logs = eqx_logs.spool(grad, exclude="instrument")(model, x)
+    assert set(logs) == set()
+    _, logs = eqx_logs.spool(grad, exclude="backward")(model, x)
+    assert set(logs) == forward
+
+    def log_grad_only(x):  # log_grad's cotangents: tagged "backward" only
+        return jnp.sum(eqx_logs.log_grad("g", x) ** 2)
+
+    _, logs = eqx_logs.spool(jax.grad(log_grad_only), tags="backward")(x)
+    assert_close(logs["g"], [2 * np.ones(3)])
+
+
+@fast
+def test_first_nonfinite_ignores_a_finite_values_overflowing_norm():
+    big = jnp.full((16,), 3e38, jnp.float32)
+
+    def f(x):
+        eqx_logs.log_stats("x", x, stats=("norm",))
+        return 0.0
+
+    _, logs = eqx_logs.spool(f, first_nonfinite=True)(big)
+    assert np.isposinf(logs["x/norm"][0])  # float32 cannot hold 1.2e39
+    assert logs.first_nonfinite is None  # every value is finite
+    for bad in (jnp.nan, jnp.inf, -jnp.inf):
+        _, logs = eqx_logs.spool(f, first_nonfinite=True)(big.at[5].set(bad))
+        assert np.isnan(logs["x/norm"][0])
+        assert logs.first_nonfinite.key == "x/norm"  # the value is not finite
+
+    linear = eqx.nn.Linear(16, 16, key=jax.random.key(0))
+    linear = eqx.tree_at(lambda m: m.weight, linear, jnp.eye(16) * 3e38)
+    model = eqx_logs.instrument(eqx.nn.Sequential([linear]), stats=("norm",))
+    _, logs = eqx_logs.spool(lambda m, x: m(x), first_nonfinite=True)(model, jnp.ones(16))
+    assert np.isposinf(logs["layers[0]/norm"][0])
+    assert logs.first_nonfinite is None
+
+
+def test_statistics_export_with_a_symbolic_batch():
+    def f(x):
+        eqx_logs.log_stats("x", x, stats=("mean", "norm", "absmax"))
+        return jnp.sum(x)
+
+    (b,) = jax.export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 3), jnp.float32)
+    # inside the spool the batch is reduced over; outside it, one statistic per lane
+    for fun in (eqx_logs.spool(jax.vmap(f)), jax.vmap(eqx_logs.spool(f))):
+        exported = jax.export.export(jax.jit(fun))(spec)
+        for size in (1, 4):
+            xs = jnp.arange(size * 3.0).reshape(size, 3)
+            _, logs = exported.call(xs)
+            _, want = fun(xs)
+            for key in want:
+                assert_close(logs[key], want[key], key)
+    _, logs = jax.export.export(jax.jit(eqx_logs.spool(jax.vmap(f))))(spec).call(jnp.ones((4, 3)))
+    assert_close(logs["x/norm"], [np.sqrt(12.0)])

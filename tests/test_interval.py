@@ -160,6 +160,7 @@ def test_skipped_events_do_not_compute_the_statistic(kind):
     assert "svd" in top and "cond" not in top
 
 
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam (see conftest.py)
 def test_optax_training_loop():
     """A real optax training loop, one jitted step per iteration: the logged loss and gradient
     norm of the kept steps equal those of the same loop run without spool."""
@@ -200,8 +201,8 @@ def test_interval_by_step_keeps_every_event_of_a_kept_step():
     # all of them are kept where the step is a multiple of k, and the buffer holds them all
     def f(xs):
         def body(c, t):
-            el.log("a", t * 1.0, step=t)
-            el.log("a", t * 10.0, step=t)
+            el.log("a", t.astype(jnp.float32), step=t)
+            el.log("a", t.astype(jnp.float32) * 10, step=t)
             return c, None
 
         return lax.scan(body, 0, xs)[0]

@@ -53,6 +53,39 @@ def _while_logging(x):
     return lax.while_loop(cond, body, 0.0)
 
 
+def _literals_logging(x):
+    """Python literals logged where a batched predicate masks the events (issue 24): jax 0.10
+    reads them from the jaxpr as `TypedFloat`s and `TypedInt`s, which have no `.shape`."""
+
+    def cond(c):
+        el.log({"test": 2})
+        return c < x
+
+    def body(c):
+        el.log({"k": 1.0})
+        lax.cond(c > 1, lambda: el.log("big", 3.0), lambda: None)
+        return c + 1
+
+    return lax.while_loop(cond, body, 0.0)
+
+
+@pytest.mark.parametrize("reduce", [el.Stack(capacity=5), "sum", "count", "last"])
+def test_batched_predicate_logging_python_literals(reduce):
+    xs = np.array([0.0, 2.0, 3.5], np.float32)
+    inner, _ = _assert_same(_literals_logging, jnp.asarray(xs), reduce)
+    trips = np.ceil(xs).astype(np.int32)  # per lane, from Python: iterations c = 0, 1, ...
+    want_counts = {"k": trips, "test": trips + 1, "big": np.maximum(trips - 2, 0)}
+    for key, value in {"k": 1.0, "test": 2, "big": 3.0}.items():
+        count = want_counts[key]
+        np.testing.assert_array_equal(inner.count[key], count, err_msg=key)
+        if reduce == "sum":
+            np.testing.assert_allclose(inner[key], value * count, err_msg=key)
+        elif isinstance(reduce, el.Stack):
+            rows = np.arange(5)[:, None] < count  # (events, lanes)
+            want = np.where(rows, value, np.nan if isinstance(value, float) else 0)
+            np.testing.assert_allclose(inner[key], want, equal_nan=True, err_msg=key)
+
+
 @pytest.mark.parametrize("reduce", ["stack", "mean", "count", "last", "max"])
 def test_batched_cond_predicate(reduce):
     inner, _ = _assert_same(_cond_in_scan, jnp.array([0.2, 0.5, 1.0]), reduce)

@@ -142,7 +142,8 @@ def test_installed_groups_from_a_users_app(wheel, tmp_path):
     # --help lists the options, and not the schemas among them
     groups = dict(line.split(": ", 1) for line in run("--help").stdout.splitlines() if ": " in line)
     assert groups["logger"].split(", ") == [
-        "array", "console", "jsonl", "mlflow", "multi", "progress", "tensorboard", "wandb"
+        "array", "console", "jsonl", "mlflow", "multi", "progress", "tensorboard", "trackio",
+        "wandb",
     ]  # fmt: skip
     assert groups["logging"] == "debug, default, train"
     assert groups["instrument"] == "all, norms, off"

@@ -165,9 +165,70 @@ def test_export_serializes_and_keeps_symbolic_lengths():
     assert_close(logs["c"], want["c"])
     np.testing.assert_array_equal(logs.step["c"], [0, 2, 4])
     (n,) = export.symbolic_shape("n")
-    for reduce in ("stack", "mean"):
+    for reduce in ("stack", "mean", el.Window(2, "sum")):  # (a window count is symbolic too)
         spooled = jax.jit(el.spool(_scan_logging, interval=2, reduce=reduce))
         exported = export.export(spooled)(jax.ShapeDtypeStruct((n,), jnp.float32))
         out, logs = exported.call(jnp.arange(7.0))
         _, want = el.spool(_scan_logging, interval=2, reduce=reduce)(jnp.arange(7.0))
         assert_close(logs["c"], want["c"])
+
+
+def _example_logging(x):
+    """One example of 3 features: logs straight-line, in a scan, in a cond and a while loop
+    whose predicates a vmap batches, and a Python literal."""
+    el.log({"x": x, "literal": 1.0})
+
+    def step(c, i):
+        el.log("c", c, step=i)
+        lax.cond(c > 2.0, lambda: el.log("big", c), lambda: None)
+        return c + x[0], None
+
+    c = lax.scan(step, 0.0, jnp.arange(4))[0]
+
+    def body(v):
+        el.log("w", v)
+        return v + 1.0
+
+    return c + lax.while_loop(lambda v: v < x[1], body, 0.0)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(reduce=el.Stack(capacity=6)),
+        dict(reduce="mean", interval=2),
+        dict(reduce=el.Stack(capacity=6), interval=2, across="batch"),
+        dict(reduce=el.Window(2, "sum", capacity=3), across="batch"),
+    ],
+    ids=lambda options: ",".join(f"{k}={v}" for k, v in options.items()),
+)
+def test_export_with_a_symbolic_batch(options):
+    """`jax.export` of a spool around or inside a vmap whose batch size is symbolic (issue 24:
+    the counters were numpy arrays, which cannot have a symbolic shape; `across` merged the
+    lanes in a Python loop), called at two sizes, against the spool itself."""
+    (b,) = export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b, 3), jnp.float32)
+    if "across" in options:  # the lanes merged: straight-line and scanned logs are enough
+
+        def f(x):
+            el.log("x", x)
+            return _scan_logging(x)
+
+        orders = {"spool(vmap)": el.spool(jax.vmap(f, axis_name="batch"), **options)}
+    else:
+        orders = {
+            "spool(vmap)": el.spool(jax.vmap(_example_logging), **options),
+            "vmap(spool)": jax.vmap(el.spool(_example_logging, **options)),
+        }
+    for order, fun in orders.items():
+        exported = export.deserialize(export.export(jax.jit(fun))(spec).serialize())
+        for size in (2, 5):
+            x = jnp.arange(size * 3.0).reshape(size, 3) / 4
+            out, logs = exported.call(x)
+            want_out, want = fun(x)
+            assert_close(out, want_out, f"{order}, batch {size}: output")
+            assert sorted(logs) == sorted(want)
+            for key in want:
+                what = f"{order}, batch {size}: logs[{key!r}]"
+                np.testing.assert_allclose(logs[key], want[key], equal_nan=True, err_msg=what)
+                np.testing.assert_array_equal(logs.count[key], want.count[key], err_msg=what)

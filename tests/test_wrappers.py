@@ -2,6 +2,7 @@
 whose leaves are the model's arrays, as `eqx.filter_jit(model)` is: Equinox's filtered
 transformations and `eqx.tree_at` treat them as they treat the model."""
 
+import functools
 import warnings
 
 import equinox as eqx
@@ -110,3 +111,84 @@ def test_logger_wrappers(tmp_path, kind):
     assert_close(out, m(X))
     (record,) = read_jsonl(tmp_path / "logs.jsonl")
     assert record["key"] == "norm"
+
+
+class Named(eqx.Module):
+    """A model with a static string field called `name` (issue 24): `eqx.filter_jit` of a
+    wrapper of it raised `TypeError: __name__ must be set to a string object`."""
+
+    layers: tuple[eqx.nn.Linear, eqx.nn.Linear]
+    name: str = eqx.field(static=True, default="mlp")
+
+    def __call__(self, x):
+        h = el.sow("h", jnp.tanh(self.layers[0](x)))
+        el.log(f"{self.name}/norm", jnp.linalg.norm(h))
+        return jnp.sum(self.layers[1](h))
+
+
+XN = np.linspace(-1.0, 1.0, 4, dtype=np.float32)
+WRAPPERS = ["spool", "tap", "logger.spool", "logger.tap", "plant", "instrument"]
+
+
+def _named_reference(m, planted=None):
+    """numpy: `m(XN)` (with `h` planted), its events, and its layers' outputs."""
+    (w0, b0), (w1, b1) = [(np.asarray(k.weight), np.asarray(k.bias)) for k in m.layers]
+    first = w0 @ XN + b0
+    h = np.tanh(first) if planted is None else planted
+    y = w1 @ h + b1
+    return np.sum(y), {"h": h, "mlp/norm": np.linalg.norm(h)}, {"layers[0]": first, "layers[1]": y}
+
+
+@pytest.mark.parametrize("jit_outside", [True, False], ids=["filter_jit(wrap)", "wrap(filter_jit)"])
+@pytest.mark.parametrize("kind", WRAPPERS)
+def test_wrappers_of_a_module_with_a_name_field(tmp_path, kind, jit_outside):
+    k1, k2 = jax.random.split(jax.random.key(2))
+    m = Named((eqx.nn.Linear(4, 8, key=k1), eqx.nn.Linear(8, 3, key=k2)))
+    planted = np.zeros(8, np.float32) if kind == "plant" else None
+    want_out, want_logs, layers = _named_reference(m, planted)
+    assert_close(m(XN), _named_reference(m)[0])  # the reference is the model's
+    tapped, logger = [], JsonlLogger(str(tmp_path / "logs.jsonl"))
+    wrap = {
+        "spool": el.spool,
+        "tap": lambda f: el.tap(f, callback=lambda logs, steps: tapped.append(logs)),
+        "logger.spool": lambda f: logger.spool(f, logger.init()),
+        "logger.tap": lambda f: logger.tap(f, logger.init()),
+        "plant": lambda f: el.plant(f, {"h": planted}),
+        "instrument": lambda f: el.instrument(f, stats=("mean", "rms")),
+    }[kind]
+    if kind == "instrument" and not jit_outside:
+        # eqx.filter_jit keeps the model's arrays as a flat list: no submodule to instrument
+        with pytest.raises(TypeError, match=r"layers\[0\].*eqx\.filter_jit\(eqx_logs\.instrument"):
+            wrap(eqx.filter_jit(m))
+        return
+    f = eqx.filter_jit(wrap(m)) if jit_outside else wrap(eqx.filter_jit(m))
+
+    if kind == "spool":
+        out, logs = f(XN)
+    elif kind in ("plant", "instrument"):
+        out, logs = el.spool(f)(XN)
+    else:
+        out = f(XN)
+        logger.close()
+        if kind == "tap":
+            logs = {k: v for event in tapped for k, v in event.items()}  # one per log call
+            assert len(tapped) == 2
+        else:
+            logs = {r["key"]: np.asarray(r["value"]) for r in read_jsonl(tmp_path / "logs.jsonl")}
+    assert_close(out, want_out)
+    if kind == "instrument":
+        for path, y in layers.items():
+            want_logs[f"{path}/mean"], want_logs[f"{path}/rms"] = np.mean(y), np.sqrt(np.mean(y**2))
+    assert sorted(logs) == sorted(want_logs)
+    for key, want in want_logs.items():
+        got = np.asarray(logs[key])
+        assert_close(got if kind in ("tap", "logger.spool", "logger.tap") else got[0], want, key)
+
+    # named as a function is (through flattening too), so what wraps functions takes it: as
+    # `eqx.filter_jit(model)` is (which `filter_jit(instrument(model))` is)
+    for g in (f, jax.tree.map(lambda x: x, f)) if kind != "instrument" else (f,):
+        assert isinstance(getattr(g, "__name__", ""), str)
+        assert isinstance(getattr(g, "__qualname__", ""), str)
+        functools.wraps(g)(lambda: None)
+        assert_close(el.nolog(g)(XN)[0] if kind == "spool" else el.nolog(g)(XN), want_out)
+    logger.close()

@@ -15,5 +15,10 @@ from ._mlflow import MLflowLogger as MLflowLogger
 from ._multi import MultiLogger as MultiLogger
 from ._progress import ProgressLogger as ProgressLogger
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._trackio import TrackioLogger as TrackioLogger
 from ._wandb import WandbLogger as WandbLogger
-from ._writer import WriterError as WriterError
+from ._writer import (
+    WriteReport as WriteReport,
+    WriterError as WriterError,
+    WriterWarning as WriterWarning,
+)

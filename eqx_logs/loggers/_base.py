@@ -7,7 +7,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
@@ -18,9 +18,9 @@ from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
-from .._spool import spool as _spool
+from .._spool import spool as _spool, update_wrapper
 from .._tap import tap_with
-from ._writer import Writer
+from ._writer import ON_FULL, STALL_TIMEOUT, Writer
 
 _T = TypeVar("_T")
 Record = dict[str, Any]
@@ -223,7 +223,16 @@ class AbstractLogger(eqx.Module):
     Writing happens on a background thread, in order. If the backend raises there, the error is
     raised (as a `WriterError`) by the next call into the logger: from Python calls directly,
     and from inside compiled code as the `JaxRuntimeError` of the next host callback. Writes
-    submitted after the failure are skipped and counted in the message.
+    submitted after the failure are skipped and counted in the message. (In a
+    [`eqx_logs.loggers.MultiLogger`][] the failure is reported as a `WriterWarning` instead,
+    and the other loggers keep writing.)
+
+    A backend can never hang the caller: writes wait in a bounded queue, `on_full` says what
+    happens when it is full, and a backend that makes no progress for `stall_timeout`
+    seconds is reported (`eqx_logs.loggers.WriterWarning`) and its writes are dropped and
+    counted instead of waited for. `flush()` and `close()` wait at most that long for a stuck
+    backend, and warn with the exact number of writes lost since the last `flush()` or
+    `close()` (none lost: no warning).
 
     Over many processes (`jax.distributed`), process 0 writes by default: a spooled call's
     logs, and the events of a program over many devices, reach its host once. Inside a
@@ -233,13 +242,51 @@ class AbstractLogger(eqx.Module):
 
     Subclasses implement `_open(run) -> handle`, `_write(handle, run, records)` and optionally
     `_close(handle)`; all three run on the writer thread.
+
+    **Arguments** (keyword-only, for every logger):
+
+    - `every_process`: over many processes, every process writes a copy of its own
+        (`.process<k>`), not process 0 alone.
+    - `on_full`: when the writes waiting for the backend hold more than 256 MiB: `"block"`
+        (the default) waits for room while the backend makes progress, so nothing is dropped
+        from a slow backend, and never longer than `stall_timeout` for a stuck one; `"drop"`
+        drops the new write at once, counted (a `WriterWarning` at the first drop, the count
+        at `flush()`/`close()`), so training never waits for the backend.
+    - `stall_timeout`: seconds after which a backend that has work and has finished none of it
+        counts as stalled (measured from its last finished write, or from when work arrived
+        while it was idle): reported with a `WriterWarning`, and every write while it stays
+        stalled is dropped and counted, without waiting; `flush()` and `close()` give up
+        waiting for it (`close()` abandons, and counts, what it has not written). Default 60;
+        `None` waits forever (a stuck backend then hangs the caller).
     """
 
     # keyword-only, so that backends' own fields may come without defaults before it
     every_process: bool = eqx.field(default=False, static=True, kw_only=True)
+    on_full: Literal["block", "drop"] = eqx.field(default="block", static=True, kw_only=True)
+    stall_timeout: float | None = eqx.field(default=STALL_TIMEOUT, static=True, kw_only=True)
     _writer: Writer = eqx.field(
         static=True, default_factory=lambda: Writer("logger"), repr=False, init=False
     )
+
+    def __check_init__(self):
+        if self.on_full not in ON_FULL:
+            raise ValueError(
+                f"{type(self).__name__}(on_full={self.on_full!r}): on_full must be 'block' (wait "
+                "for room while the backend makes progress) or 'drop' (drop writes that do not "
+                "fit, counted)."
+            )
+        timeout = self.stall_timeout
+        if timeout is not None and (
+            isinstance(timeout, bool)
+            or not isinstance(timeout, int | float)
+            or not timeout > 0  # NaN too
+        ):
+            raise ValueError(
+                f"{type(self).__name__}(stall_timeout={timeout!r}): stall_timeout must be a "
+                "number of seconds > 0, or None to wait for a stuck backend forever."
+            )
+        # the writer (one per logger, shared by its copies) follows the logger's policy
+        self._writer.on_full, self._writer.stall_timeout = self.on_full, timeout
 
     # --- the backend, run on the writer thread -------------------------------------------
 
@@ -297,9 +344,7 @@ class AbstractLogger(eqx.Module):
             across=across,
             first_nonfinite=first_nonfinite,
         )
-        return eqx.module_update_wrapper(
-            _LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state)
-        )
+        return update_wrapper(_LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state))
 
     def tap(
         self,
@@ -317,7 +362,7 @@ class AbstractLogger(eqx.Module):
         happens (`interval=k` writes every k-th event of each key, gated on the device)."""
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
-        return eqx.module_update_wrapper(
+        return update_wrapper(
             _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state, self.every_process))
         )
 
@@ -327,13 +372,17 @@ class AbstractLogger(eqx.Module):
         self._spool_host(self.init() if state is None else state, logs)
 
     def flush(self) -> None:
-        """Wait for pending host callbacks and writes; raise any error of the writer."""
+        """Wait for pending host callbacks and writes (at most `stall_timeout` seconds for a
+        stuck backend); warn (`WriterWarning`) with the number of writes lost since the last
+        `flush`/`close`, if any; raise any error of the writer."""
         jax.effects_barrier()
         self._writer.flush()
 
     def close(self) -> None:
-        """Flush, then close every run's files or remote run. The logger may be used again
-        afterwards (runs are reopened, appending)."""
+        """Flush, then close every run's files or remote run; say what was lost, as `flush`
+        does (a stuck backend is given up on after `stall_timeout` seconds: what it has not
+        written is counted as lost). The logger may be used again afterwards (runs are
+        reopened, appending)."""
         jax.effects_barrier()
         self._writer.close()
 

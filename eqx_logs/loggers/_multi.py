@@ -1,15 +1,42 @@
+import threading
+import warnings
 from typing import Any
 
+import equinox as eqx
+
 from ._base import AbstractLogger, Record
-from ._writer import Writer
+from ._writer import Writer, WriterError, WriterWarning
+
+
+class _Isolated:
+    """The loggers of a MultiLogger (by index) whose failure was warned about since its last
+    `flush`/`close`: each is warned about once per period."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.warned: set[int] = set()
 
 
 class MultiLogger(AbstractLogger):
     """Writes to several loggers at once, each on its own writer thread.
     `MultiLogger(ConsoleLogger(), JsonlLogger("run.jsonl"))`; its state is one run index for
-    all of them."""
+    all of them.
+
+    The loggers are isolated from each other: each keeps its own queue, `on_full` and
+    `stall_timeout`, so a stuck backend drops only its own writes. A backend that raises does
+    not raise here: its `WriterError` becomes a `WriterWarning` (once per logger between two
+    `flush`/`close` calls) naming it and the number of writes the failure cost, the other
+    loggers keep writing, and the failing one is tried again with the next write. `flush()`
+    and `close()` warn, per logger, with the exact number of writes lost. Other errors (a
+    value a backend cannot store) are raised after every logger has had the call.
+
+    **Arguments:**
+
+    - `*loggers`: the loggers to write to.
+    """
 
     loggers: tuple[AbstractLogger, ...]
+    _isolated: _Isolated = eqx.field(static=True, repr=False, init=False)
 
     def __init__(self, *loggers: AbstractLogger):
         for logger in loggers:
@@ -18,6 +45,7 @@ class MultiLogger(AbstractLogger):
         self.loggers = loggers
         self.every_process = any(logger.every_process for logger in loggers)
         self._writer = Writer("MultiLogger")
+        self._isolated = _Isolated()
 
     def _open(self, run: int) -> None:
         return None
@@ -29,21 +57,42 @@ class MultiLogger(AbstractLogger):
         self._each("_submit", run, rows)  # a key one logger rejects still reaches the others
 
     def _check(self) -> None:
-        for logger in self.loggers:
-            logger._check()
+        self._each("_check")
 
     def flush(self) -> None:
-        self._each("flush")
+        """Flush every logger (each waits at most its `stall_timeout` for a stuck backend);
+        each warns with what it lost, and a failed backend is reported, not raised."""
+        self._each("flush", report=True)
 
     def close(self) -> None:
-        self._each("close")
+        """Close every logger; each warns with what it lost (see `flush`)."""
+        self._each("close", report=True)
 
-    def _each(self, method: str, *args: Any) -> None:
+    def _each(self, method: str, *args: Any, report: bool = False) -> None:
         errors = []
-        for logger in self.loggers:  # all of them, then raise the first error
+        for index, logger in enumerate(self.loggers):  # all of them, then raise the first error
             try:
                 getattr(logger, method)(*args)
+            except WriterError as e:  # isolated: reported, never raised
+                self._isolate(index, logger, e)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
+        if report:  # a new period: the next failure of each logger is warned about again
+            with self._isolated.lock:
+                self._isolated.warned.clear()
         if errors:
             raise errors[0]
+
+    def _isolate(self, index: int, logger: AbstractLogger, error: WriterError) -> None:
+        with self._isolated.lock:
+            if index in self._isolated.warned:
+                return
+            self._isolated.warned.add(index)
+        warnings.warn(
+            f"MultiLogger: logger {index} ({type(logger).__name__}) failed and is isolated; the "
+            f"other loggers keep writing. {error} This failure lost {error.lost} write(s) of "
+            f"{type(logger).__name__}; later failures of it are counted, and flush() and "
+            "close() report every write it lost.",
+            WriterWarning,
+            stacklevel=4,
+        )

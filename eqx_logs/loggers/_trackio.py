@@ -1,0 +1,138 @@
+import contextvars
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+
+from ._base import (
+    AbstractLogger,
+    Record,
+    finite,
+    flat_items,
+    is_scalar,
+    not_complex,
+    process_suffix,
+    require,
+)
+
+
+class _RunIds:
+    """The logger runs this logger has opened: reopened after `close()`, they resume their
+    trackio run instead of starting another. Hashed by identity, like the writer."""
+
+    def __init__(self):
+        self.opened: set[int] = set()
+
+
+class TrackioLogger(AbstractLogger):
+    """[trackio](https://github.com/gradio-app/trackio), the local-first tracker with W&B's
+    API (`pip install '.[trackio]'` from the checkout): one trackio run per logger run, named
+    `<name>-<run>` and grouped under `name`, in project `project` of trackio's local SQLite
+    database. No account and no network: nothing is sent anywhere unless trackio's own
+    `TRACKIO_SPACE_ID` or `TRACKIO_SERVER_URL` is set, and no dashboard is started (run
+    `trackio show --project <project>` to see the runs). Where a Hugging Face token is set,
+    trackio looks up its user name (one request per run; `HF_HUB_OFFLINE=1` prevents it).
+
+    Scalars are logged as numbers, arrays as `trackio.Histogram`s (of their finite entries),
+    pytree values per leaf as `<key>/<path>`. NaN and infinities are kept as such. The records
+    of one write are grouped by their `step`, in increasing order; each record without one
+    gets trackio's next step. Closed and used again, the logger resumes its runs.
+
+    trackio keeps every project in one directory, `TRACKIO_DIR` (by default
+    `~/.cache/huggingface/trackio`), which it reads once, when it is first imported. `dir`
+    sets it for that import; once trackio is imported, a different `dir` raises.
+
+    **Arguments:**
+
+    - `project`: the trackio project.
+    - `name`: the run name prefix and the runs' group.
+    - `config`: the run's configuration (recorded with each run; keys must not start with
+        `_`, which trackio reserves).
+    - `dir`: trackio's directory (see above); `None` keeps trackio's.
+    - `step`: the step name used as trackio's step.
+    - `system_metrics`: also let trackio sample CPU and GPU metrics (a thread per run).
+
+    ```python
+    logger = TrackioLogger(project="mnist", config={"lr": 1e-3})
+    with logger:
+        state = logger.init()
+        for step in range(steps):
+            params = logger.spool(train_step, state)(params, step)
+    # trackio show --project mnist
+    ```
+    """
+
+    project: str = "eqx_logs"
+    name: str = "eqx_logs"
+    config: dict[str, Any] | None = eqx.field(default=None, static=True)
+    dir: str | None = None
+    step: str = "step"
+    system_metrics: bool = False
+    _runs: _RunIds = eqx.field(static=True, default_factory=_RunIds, repr=False, init=False)
+
+    def __check_init__(self):
+        reserved = [k for k in self.config or {} if str(k).startswith("_")]
+        if reserved:
+            raise ValueError(
+                f"TrackioLogger: config keys {reserved} start with '_', which trackio reserves "
+                "for its own entries; rename them."
+            )
+        if self.dir is not None and "trackio" not in sys.modules:
+            os.environ["TRACKIO_DIR"] = os.path.abspath(self.dir)
+        utils = require("trackio.utils", "trackio", "TrackioLogger")
+        if self.dir is not None and Path(utils.TRACKIO_DIR).resolve() != Path(self.dir).resolve():
+            raise ValueError(
+                f"TrackioLogger(dir={self.dir!r}): trackio was already imported in this "
+                f"process, with its directory {str(utils.TRACKIO_DIR)!r} (trackio reads "
+                "TRACKIO_DIR once, when first imported). Pass dir=None to write there, or set "
+                "TRACKIO_DIR before anything imports trackio."
+            )
+
+    def _open(self, run: int) -> Any:
+        trackio = require("trackio", "trackio", "TrackioLogger")
+        resume = "allow" if run in self._runs.opened else "never"
+        # trackio.init finishes the "current" run of the calling context: each run is made in
+        # a context of its own, so that the runs of one logger (one per vmap lane) stay open
+        trackio_run = contextvars.Context().run(
+            trackio.init,
+            project=self.project,
+            name=f"{self.name}-{run}{process_suffix(self.every_process)}",
+            group=self.name,
+            config=self.config,
+            resume=resume,
+            embed=False,
+            auto_log_cpu=self.system_metrics,
+            auto_log_gpu=self.system_metrics,
+        )
+        self._runs.opened.add(run)
+        return trackio_run
+
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        return not_complex(leaf)
+
+    def _write(self, handle: Any, run: int, records: list[Record]):
+        del run
+        trackio = require("trackio", "trackio", "TrackioLogger")
+        by_step: dict[int, dict[str, Any]] = {}
+        stepless: list[dict[str, Any]] = []
+        for r in records:
+            row: dict[str, Any] = {}
+            for tag, value in flat_items(r["key"], r["value"]):
+                if is_scalar(value):
+                    row[tag] = value.reshape(()).item()
+                else:
+                    row[tag] = trackio.Histogram(finite(value).astype(np.float64))
+            if self.step in r:
+                by_step.setdefault(int(np.asarray(r[self.step])), {}).update(row)
+            else:
+                stepless.append(row)
+        for step in sorted(by_step):
+            handle.log(by_step[step], step=step)
+        for row in stepless:  # at trackio's next step
+            handle.log(row)
+
+    def _close(self, handle: Any) -> None:
+        handle.finish()  # waits for trackio's own writer thread
