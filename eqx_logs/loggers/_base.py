@@ -161,6 +161,28 @@ def steps_of(record: Record) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k not in ("key", "value")}
 
 
+def rows_by_step(
+    records: list[Record], step: str, histogram: Callable[[np.ndarray], Any]
+) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Records as rows for a tracker with a W&B-like `log(row, step=)` (W&B, trackio): each a
+    dict from tag to a number (scalars) or `histogram(finite entries as float64)` (arrays).
+    Returns the rows of records with a `step`, merged by step, and those without, in order."""
+    by_step: dict[int, dict[str, Any]] = {}
+    stepless: list[dict[str, Any]] = []
+    for r in records:
+        row: dict[str, Any] = {}
+        for tag, value in flat_items(r["key"], r["value"]):
+            if is_scalar(value):
+                row[tag] = value.reshape(()).item()
+            else:
+                row[tag] = histogram(finite(value).astype(np.float64))
+        if step in r:
+            by_step.setdefault(int(np.asarray(r[step])), {}).update(row)
+        else:
+            stepless.append(row)
+    return by_step, stepless
+
+
 def process_suffix(every_process: bool) -> str:
     """What this process adds to the names of the files or runs it writes: nothing in a
     single-process run, nor on process 0 by default (it writes the run's events); otherwise

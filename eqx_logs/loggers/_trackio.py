@@ -10,12 +10,10 @@ import numpy as np
 from ._base import (
     AbstractLogger,
     Record,
-    finite,
-    flat_items,
-    is_scalar,
     not_complex,
     process_suffix,
     require,
+    rows_by_step,
 )
 
 
@@ -116,19 +114,7 @@ class TrackioLogger(AbstractLogger):
     def _write(self, handle: Any, run: int, records: list[Record]):
         del run
         trackio = require("trackio", "trackio", "TrackioLogger")
-        by_step: dict[int, dict[str, Any]] = {}
-        stepless: list[dict[str, Any]] = []
-        for r in records:
-            row: dict[str, Any] = {}
-            for tag, value in flat_items(r["key"], r["value"]):
-                if is_scalar(value):
-                    row[tag] = value.reshape(()).item()
-                else:
-                    row[tag] = trackio.Histogram(finite(value).astype(np.float64))
-            if self.step in r:
-                by_step.setdefault(int(np.asarray(r[self.step])), {}).update(row)
-            else:
-                stepless.append(row)
+        by_step, stepless = rows_by_step(records, self.step, trackio.Histogram)
         for step in sorted(by_step):
             handle.log(by_step[step], step=step)
         for row in stepless:  # at trackio's next step

@@ -7,12 +7,10 @@ import numpy as np
 from ._base import (
     AbstractLogger,
     Record,
-    finite,
-    flat_items,
-    is_scalar,
     not_complex,
     process_suffix,
     require,
+    rows_by_step,
 )
 
 
@@ -77,26 +75,14 @@ class WandbLogger(AbstractLogger):
         # each stepless record as its own row at the next step.
         wandb_run, progress = handle
         last = progress["last"]
-        by_step: dict[int, dict[str, Any]] = {}
-        stepless: list[dict[str, Any]] = []
         for r in records:
-            row: dict[str, Any] = {}
-            for tag, value in flat_items(r["key"], r["value"]):
-                if is_scalar(value):
-                    row[tag] = value.reshape(()).item()
-                else:
-                    row[tag] = wandb.Histogram(finite(value).astype(np.float64))
-            if self.step not in r:
-                stepless.append(row)
-                continue
-            step = int(np.asarray(r[self.step]))
-            if step < last:
+            if self.step in r and (step := int(np.asarray(r[self.step]))) < last:
                 raise ValueError(
                     f"WandbLogger: key {r['key']!r} was logged at {self.step}={step}, but run "
                     f"{run} has already written {self.step}={last}; W&B would drop it. Log "
                     f"with increasing {self.step!r} values, or pass another `step=` name."
                 )
-            by_step.setdefault(step, {}).update(row)
+        by_step, stepless = rows_by_step(records, self.step, wandb.Histogram)
         for step in sorted(by_step):
             wandb_run.log(by_step[step], step=step)
             last = step
