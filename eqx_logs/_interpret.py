@@ -216,6 +216,11 @@ def _vmap_depth_hint(info: _KeyInfo, nbatch: int, site: str) -> str:
     )
 
 
+def _adapts(weak: Any, dtype: Any) -> bool:
+    """Whether a weakly typed Python scalar of dtype `weak` takes `dtype` as it is logged."""
+    return jnp.result_type(dtype, _python_scalar(weak)) == dtype
+
+
 def _merge_leaf(key, info, i, shape, dtype, weak, site, why=""):
     old = info.leaves[i]
     earlier = _site_list(info.sites)
@@ -232,7 +237,7 @@ def _merge_leaf(key, info, i, shape, dtype, weak, site, why=""):
     if old.dtype == dtype:
         info.weak[i] = info.weak[i] and weak
         return
-    if weak and not info.weak[i] and jnp.result_type(old.dtype, _python_scalar(dtype)) == old.dtype:
+    if weak and not info.weak[i] and _adapts(dtype, old.dtype):
         return  # a weakly typed Python scalar adapts
     if info.weak[i] and not weak and jnp.result_type(dtype, _python_scalar(old.dtype)) == dtype:
         info.leaves[i] = jax.ShapeDtypeStruct(shape, dtype)
@@ -671,11 +676,9 @@ class Interpreter:
                 info = self.info.get(key)
                 if info is None:
                     continue  # passes on (see `_event`)
-                for v, old, weak in zip(jtu.tree_leaves(tree), info.leaves, info.weak):
-                    if v.aval.dtype == old.dtype or (
-                        getattr(v.aval, "weak_type", False)
-                        and jnp.result_type(old.dtype, _python_scalar(v.aval.dtype)) == old.dtype
-                    ):
+                for v, old in zip(jtu.tree_leaves(tree), info.leaves):
+                    weak = getattr(v.aval, "weak_type", False)
+                    if v.aval.dtype == old.dtype or (weak and _adapts(v.aval.dtype, old.dtype)):
                         continue
                     raise TypeError(
                         f"eqx_logs: key {key!r} is logged with dtype {old.dtype} (at "

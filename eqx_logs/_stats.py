@@ -54,7 +54,7 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
     n = math.prod(x.shape[lanes:])
     size = jnp.asarray(n, x.dtype)
 
-    def per_lane(y):  # a lane's value, broadcast against `x`
+    def lane_wise(y):  # a lane's value, broadcast against `x`
         return jnp.reshape(y, y.shape + (1,) * len(axes))
 
     absmax = jnp.max(jnp.abs(x), axis=axes)
@@ -79,9 +79,9 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
             # 2**-e with `absmax < 2**e`, between 2**-126 and 2**126: exact, no subnormals
             e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, jnp.ones_like(absmax)))[1]
             scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
-            y = x * per_lane(scale)
+            y = x * lane_wise(scale)
             m = jnp.sum(y, axis=axes) / size
-            d = y - per_lane(m)
+            d = y - lane_wise(m)
             # around the computed mean, corrected for its rounding error
             drift = jnp.sum(d, axis=axes) / size
             var = jnp.sum(jnp.square(d), axis=axes) / size - jnp.square(drift)
