@@ -33,6 +33,7 @@ class LogDict(dict):
         "_rows_are_counts",
         "_count_groups",
         "_nonfinite",
+        "_packed",  # after `tree_unflatten`: (aux, children), until the slots above are set
     )
 
     def __init__(
@@ -116,9 +117,12 @@ class LogDict(dict):
             "exclude, rules)."
         )
 
-    def __getattr__(self, name: str) -> dict[str, Any]:
+    def __getattr__(self, name: str) -> Any:
+        if name in _UNPACKED:  # unflattened, not yet unpacked
+            _unpack(self)
+            return object.__getattribute__(self, name)
         try:
-            return object.__getattribute__(self, "_steps")[name]
+            return self._steps[name]
         except KeyError:
             raise AttributeError(
                 f"LogDict has no step named {name!r}; steps recorded: {sorted(self._steps)}."
@@ -126,6 +130,20 @@ class LogDict(dict):
 
     def __repr__(self) -> str:
         return f"LogDict({dict.__repr__(self)}, count={self._count!r})"
+
+    def _without(self, keys: Any) -> "LogDict":
+        """A copy without `keys` (the loggers' writes skip keys without events)."""
+        drop = set(keys)
+        keep = [k for k in self if k not in drop]
+        out = LogDict(
+            {k: self[k] for k in keep},
+            count={k: self._count[k] for k in keep},
+            steps={n: {k: v for k, v in s.items() if k in keep} for n, s in self._steps.items()},
+            reductions={k: r for k, r in self._reductions.items() if k in keep},
+            rows={k: r for k, r in self._rows.items() if k in keep},
+        )
+        out._nonfinite = self._nonfinite
+        return out
 
     def tree_flatten(self):
         keys = tuple(self)
@@ -146,11 +164,11 @@ class LogDict(dict):
             arrays, tables = self._nonfinite
             nonfinite = (tuple(arrays), tables)
             children += list(arrays.values())
-        return children, (keys, step_names, reductions, row_keys, shared, nonfinite, groups)
+        return children, _Aux((keys, step_names, reductions, row_keys, shared, nonfinite, groups))
 
     def tree_flatten_with_keys(self):
         children, aux = self.tree_flatten()
-        keys, step_names, _, row_keys, _, nonfinite, groups = aux
+        keys, step_names, _, row_keys, _, nonfinite, groups = aux.spec
         followers = {k for g in groups for k in g[1:]}
         paths = [jtu.DictKey(k) for k in keys]
         paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys if k not in followers]
@@ -162,29 +180,70 @@ class LogDict(dict):
         return list(zip(paths, children)), aux
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        # without `__init__`'s copies: JAX and Equinox unflatten an output several times a call
-        keys, step_names, reductions, row_keys, shared, nonfinite, groups = aux
-        n = len(keys)
+    def tree_unflatten(cls, aux: "_Aux", children: Any) -> "LogDict":
+        # The values, and the rest as it came: JAX and Equinox unflatten an output several
+        # times a call, and most of those are never read (`_unpack` does it on first use).
         self = cls.__new__(cls)
-        dict.update(self, zip(keys, children[:n]))
-        followers = {k for g in groups for k in g[1:]}
-        rest = iter(children[n:])
-        self._count = {k: next(rest) for k in keys if k not in followers}
-        for first, *others in groups:
-            self._count.update(dict.fromkeys(others, self._count[first]))
-        self._count = {k: self._count[k] for k in keys}  # in the keys' order
-        self._count_groups = groups
-        self._rows = {k: next(rest) for k in row_keys}
-        self._rows.update({k: self._count[k] for k in shared})
-        self._rows_are_counts = frozenset(shared)
-        self._steps = {name: {k: next(rest) for k in per_key} for name, per_key in step_names}
-        self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
-        self._nonfinite = None
-        if nonfinite is not None:
-            names, tables = nonfinite
-            self._nonfinite = ({name: next(rest) for name in names}, tables)
+        dict.update(self, zip(aux.spec[0], children))
+        self._packed = (aux, children)
         return self
+
+
+# The slots `_unpack` sets.
+_UNPACKED = frozenset(LogDict.__slots__) - {"_packed"}
+
+
+class _Aux:
+    """A LogDict's treedef data: its keys, step names, reductions, ... (`spec`, by which it
+    is compared and hashed), and where `_unpack` finds each part among the leaves, worked out
+    once per treedef."""
+
+    __slots__ = ("spec", "_hash", "_plan")
+
+    def __init__(self, spec: tuple):
+        self.spec = spec
+        self._hash = hash(spec)
+        self._plan = None
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Aux) and self.spec == other.spec
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"LogDict{self.spec[0]!r}"
+
+    def plan(self) -> tuple:
+        """(count, rows, steps, nonfinite): the leaf index of each key's part, and the rest."""
+        if self._plan is None:
+            keys, step_names, reductions, row_keys, shared, nonfinite, groups = self.spec
+            at = iter(range(len(keys), 2**62))
+            leader = {k: g[0] for g in groups for k in g[1:]}
+            count_at = {k: next(at) for k in keys if k not in leader}
+            count_at.update({k: count_at[first] for k, first in leader.items()})
+            count = tuple((k, count_at[k]) for k in keys)
+            rows = tuple((k, next(at)) for k in row_keys) + tuple((k, count_at[k]) for k in shared)
+            steps = tuple((n, tuple((k, next(at)) for k in per_key)) for n, per_key in step_names)
+            arrays = None if nonfinite is None else tuple((n, next(at)) for n in nonfinite[0])
+            self._plan = (count, rows, steps, arrays)
+        return self._plan
+
+
+def _unpack(self: LogDict) -> None:
+    """Set the slots of a LogDict made by `tree_unflatten` from its leaves."""
+    aux, children = object.__getattribute__(self, "_packed")
+    keys, _, reductions, _, shared, nonfinite, groups = aux.spec
+    count, rows, steps, arrays = aux.plan()
+    self._count = {k: children[i] for k, i in count}
+    self._rows = {k: children[i] for k, i in rows}
+    self._steps = {n: {k: children[i] for k, i in per_key} for n, per_key in steps}
+    self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
+    self._rows_are_counts = frozenset(shared)
+    self._count_groups = groups
+    self._nonfinite = None
+    if arrays is not None:
+        self._nonfinite = ({n: children[i] for n, i in arrays}, nonfinite[1])
 
 
 def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | None | list":
@@ -245,11 +304,11 @@ class NonfiniteEvent:
         )
 
 
-def _serialize_aux(aux) -> bytes:
-    return json.dumps(aux).encode()
+def _serialize_aux(aux: _Aux) -> bytes:
+    return json.dumps(aux.spec).encode()
 
 
-def _deserialize_aux(data: bytes):
+def _deserialize_aux(data: bytes) -> _Aux:
     keys, step_names, reductions, row_keys, shared, nonfinite, groups = json.loads(data.decode())
     step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
     if nonfinite is not None:
@@ -257,7 +316,7 @@ def _deserialize_aux(data: bytes):
         nonfinite = (tuple(names), tuple(tuple(t) for t in tables))
     groups = tuple(tuple(g) for g in groups)
     keys, reductions = tuple(keys), tuple(reductions)
-    return keys, step_names, reductions, tuple(row_keys), tuple(shared), nonfinite, groups
+    return _Aux((keys, step_names, reductions, tuple(row_keys), tuple(shared), nonfinite, groups))
 
 
 # `jax.export` of a spooled function: its outputs include a LogDict.

@@ -115,10 +115,12 @@ def test_repeated_steps_beyond_the_buffer_are_counted(tmp_path):
     _, logs = el.spool(epoch, interval=5)(jnp.ones(3), 0)
     assert int(logs.count["loss"]) == 10 and int(logs.rows["loss"]) == 2
     np.testing.assert_allclose(logs["loss"], [3.0, 3.0 * 0.99**2], rtol=1e-5)
-    # a logger says so
+    # a logger says so, at its next call (it writes on its own thread)
     with JsonlLogger(str(tmp_path / "logs.jsonl")) as logger:
-        with pytest.warns(UserWarning, match="'loss'.*10 events.*2"):
+        with pytest.warns(UserWarning, match="'loss'.*10 events.*2") as caught:
             logger.write(logs)
+            logger.flush()
+    assert caught[0].filename == __file__  # the user's call
     # a reduction of fixed size, or a capacity, holds them all
     _, logs = el.spool(epoch, interval=5, reduce="count")(jnp.ones(3), 0)
     assert int(logs["loss"]) == 10

@@ -1,12 +1,13 @@
 """AbstractLogger: spool or tap a function into a backend, written on a background thread."""
 
 import abc
+import functools
 import hashlib
 import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
 import equinox as eqx
@@ -26,10 +27,38 @@ _T = TypeVar("_T")
 Record = dict[str, Any]
 
 
-def records(logs: LogDict) -> Iterator[Record]:
+def to_host(tree: _T) -> _T:
+    """`jax.device_get(tree)`: its arrays as numpy arrays, waiting for the device. On an
+    accelerator every copy is started first, so that they overlap; on the CPU, where starting
+    one costs about 10 us an array and saves nothing, each array is read directly."""
+    if _accelerator():
+        return jax.device_get(tree)
+    return jax.tree.map(np.asarray, tree)
+
+
+@functools.cache
+def _accelerator() -> bool:
+    return jax.default_backend() != "cpu"
+
+
+def with_events(logs: LogDict) -> LogDict:
+    """`logs` on the host (numpy), without the keys that hold no event (a count of 0): their
+    values are never fetched. Waits for the device to compute them."""
+    counts = to_host(logs.count)
+    empty = [key for key in logs if not np.any(counts[key])]
+    if empty:
+        logs = logs._without(empty)
+    return to_host(logs)
+
+
+def records(
+    logs: LogDict, warn: Callable[[str, type[Warning]], None] | None = None
+) -> Iterator[Record]:
     """One record per event for stacked keys (the real rows only), one per key otherwise:
-    `{"key": ..., "value": ..., "count": ..., <step name>: ...}`, all plain Python/numpy."""
-    logs = jax.device_get(logs)
+    `{"key": ..., "value": ..., "count": ..., <step name>: ...}`, all plain Python/numpy. A
+    key without events (a count of 0) has none. `warn(message, category)` says when a
+    stack's buffer held fewer events than it kept (default: `warnings.warn`)."""
+    logs = with_events(logs)
     for key, value in logs.items():
         count = np.asarray(logs.count[key])
         steps = {name: per_key[key] for name, per_key in logs.steps.items() if key in per_key}
@@ -37,13 +66,13 @@ def records(logs: LogDict) -> Iterator[Record]:
         if key in logs.rows and leaves:  # an event axis: a record per real event or window
             length = leaves[0].shape[0]
             if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
-                warnings.warn(
+                (warn or _warn)(
                     f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
                     f"holds {int(np.max(logs.rows[key]))}: the rest are not written. With "
                     "`interval`, this happens when the logged `step` repeats; pass "
                     "`reduce=eqx_logs.Stack(capacity=N)` or log a step that grows with every "
                     "event.",
-                    stacklevel=2,
+                    UserWarning,
                 )
             for i in range(int(np.max(logs.rows[key]))):
                 row = jax.tree.map(lambda x: x[i], value)
@@ -55,6 +84,10 @@ def records(logs: LogDict) -> Iterator[Record]:
                 yield {"key": key, "value": row, **row_steps}
         else:
             yield {"key": key, "value": value, "count": count, **steps}
+
+
+def _warn(message: str, category: type[Warning]) -> None:
+    warnings.warn(message, category, stacklevel=4)
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -388,10 +421,78 @@ class AbstractLogger(eqx.Module):
             _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state, self.every_process))
         )
 
+    def jit(
+        self,
+        fun: Callable[..., _T],
+        state: LoggerState,
+        /,
+        *,
+        donate: Literal["all", "all-except-first", "warn", "none"] = "none",
+        policy: Policy | None = None,
+        reduce: Any = None,
+        interval: int | None = None,
+        window: int | None = None,
+        tags: Any = None,
+        exclude: Any = None,
+        prefix: str | None = None,
+        keep: bool = False,
+        key: PRNGKeyArray | None = None,
+        across: str | tuple[str, ...] | None = None,
+        first_nonfinite: bool | None = None,
+    ) -> Callable[..., _T]:
+        """`eqx.filter_jit(fun)`, spooled, its logs written to `state`'s run: the form for
+        the training loop that calls one compiled step per Python iteration.
+
+        ```python
+        step = logger.jit(train_step, logger.init(), interval=100)
+        for i in range(steps):
+            model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        ```
+
+        The compiled step holds no host callback and no effect, so each call takes JAX's
+        fast dispatch path, as `eqx.filter_jit(train_step)` does. Its logs come out as
+        arrays and are handed, as they are, to the logger's writer thread, which waits for
+        the device, fetches the keys that hold events (the steps an `interval` skips hold
+        none, and cost a transfer of their counts alone) and writes them, in order. The
+        training loop never waits for the device because of logging. (Logging inside the
+        step is as for [`eqx_logs.spool`][]: same options; `donate` as for
+        `eqx.filter_jit`.) A backend error, a value the backend cannot store and, with
+        `first_nonfinite`, a [`eqx_logs.loggers.NonfiniteWarning`][] come from the next call
+        into the logger.
+
+        In that loop `logger.jit` writes what `eqx.filter_jit(logger.spool(...))` and
+        `eqx.filter_jit(logger.tap(...))` write, at the cost of the loop without logging:
+        each call is one step, its events are written once it has run. (`logger.tap` is for
+        events streamed out of a long call, a `lax.scan` over many steps, while it runs.)
+        Called inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in
+        `eqx.filter_jit`, with the host callback that needs.
+        """
+        policy = with_options(
+            policy,
+            "logger.jit",
+            reduce=reduce,
+            interval=interval,
+            window=window,
+            tags=tags,
+            exclude=exclude,
+            prefix=prefix,
+            key=key,
+            across=across,
+            first_nonfinite=first_nonfinite,
+        )
+        jitted = eqx.filter_jit(_spool(fun, policy=policy, keep=keep), donate=donate)
+        return update_wrapper(_LoggerJitted(self, jitted, state))
+
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
-        """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0)."""
-        self._check()
-        self._spool_host(self.init() if state is None else state, logs)
+        """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
+
+        Never waits for the device: the arrays are handed to the writer thread, which fetches
+        them once computed and writes the events they hold (keys with a count of 0 write
+        nothing). A value the backend cannot store is named at once (the other keys are
+        written); a backend error, or the warning of a `first_nonfinite` spool that found a
+        NaN, comes from the next call into the logger. Inside `jax.jit` (or `vmap`, `grad`),
+        a host callback writes them when the compiled code gets there."""
+        _write(self, logs, state)
 
     def flush(self) -> None:
         """Wait for pending host callbacks and writes (at most `stall_timeout` seconds for a
@@ -415,25 +516,26 @@ class AbstractLogger(eqx.Module):
         self.close()
 
     # --- plumbing ---------------------------------------------------------------------------
+    #
+    # What runs for every step calls methods through the class: Equinox hands out each bound
+    # method of a module as a module of its own (`eqx.Module.__getattribute__`), which costs
+    # about 50 us to build, as much as a small training step.
 
     def _check(self) -> None:
         self._writer.check()
 
-    # The host callbacks raise a pending writer error, so that inside `jax.jit` too it
-    # surfaces from the next call (as a JaxRuntimeError naming the WriterError).
-
     def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
-        self._submit(int(state.run), list(records(logs)))
-        if logs._nonfinite is not None and (event := logs.first_nonfinite) is not None:
-            warnings.warn(
-                f"{type(self).__name__} (run {int(state.run)}): {event}", NonfiniteWarning
-            )
-        self._check()
+        # a host callback: raise a pending writer error, so that inside `jax.jit` too it
+        # surfaces from the next call (as a JaxRuntimeError naming the WriterError)
+        cls = type(self)
+        cls._submit_logs(self, state, logs)
+        cls._check(self)
 
     def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
         rows = [{"key": key, "value": value, **steps} for key, value in logs.items()]
-        self._submit(int(state.run), rows)
-        self._check()
+        cls = type(self)
+        cls._submit(self, int(state.run), rows)
+        cls._check(self)
 
     def _unstorable(self, leaf: np.ndarray) -> str | None:
         """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
@@ -441,26 +543,69 @@ class AbstractLogger(eqx.Module):
         del leaf
         return None
 
-    def _submit(self, run: int, rows: list[Record]) -> None:
+    def _started(self) -> Writer:
         writer = self._writer
         if writer.finish is None:
             writer.name = type(self).__name__
-            writer.finish = self._finish
+            writer.finish = functools.partial(type(self)._finish, self)
+            writer.write_logs = functools.partial(type(self)._write_logs, self)
+        return writer
+
+    def _submit_logs(self, state: LoggerState, logs: LogDict, size: int | None = None) -> None:
+        """Hand `logs` (arrays, on the device or not; `size` bytes in all) to the writer
+        thread, which fetches them (`_fetch`) and writes them (`_write_logs`). Values the
+        backend cannot store are named here, from their types and shapes."""
+        cls = type(self)
+        writer = cls._started(self)
         rejected = {}
-        if type(self)._unstorable is not AbstractLogger._unstorable:  # a backend that checks
-            for r in rows:
-                for _, leaf in flat_items(r["key"], r["value"]):
-                    if (why := self._unstorable(leaf)) is not None:
-                        rejected[r["key"]] = why
+        if cls._unstorable is not AbstractLogger._unstorable:  # a backend that checks
+
+            def row(key: str, leaf: Any) -> np.ndarray:  # a row's leaf, from its type alone
+                shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
+                return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
+
+            leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
+            rejected = cls._rejected(self, leaves)
+            if rejected:
+                logs, size = logs._without(rejected), None
+        if size is None:
+            size = _nbytes(logs)
+        writer.submit(writer.write_logs, (state, logs), size, ready=_fetch)
+        _reject(self, rejected)
+
+    def _submit(self, run: int, rows: list[Record]) -> None:
+        """Hand records of host values (tap's events) to the writer thread."""
+        cls = type(self)
+        writer = cls._started(self)
+        rejected = {}
+        if cls._unstorable is not AbstractLogger._unstorable:
+            leaves = ((r["key"], x) for r in rows for _, x in flat_items(r["key"], r["value"]))
+            rejected = cls._rejected(self, leaves)
             rows = [r for r in rows if r["key"] not in rejected]
         size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
-        writer.submit(self._write_run, (run, rows), size)
-        if rejected:
-            raise ValueError(
-                f"{type(self).__name__} cannot store "
-                + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
-                + ". The other keys of this write were written."
-            )
+        writer.submit(functools.partial(cls._write_run, self), (run, rows), size)
+        _reject(self, rejected)
+
+    def _rejected(self, leaves: Iterable[tuple[str, np.ndarray]]) -> dict[str, str]:
+        """The keys among `(key, leaf)` whose leaf the backend cannot store, and why."""
+        unstorable = type(self)._unstorable
+        return {key: why for key, leaf in leaves if (why := unstorable(self, leaf)) is not None}
+
+    def _write_logs(self, item: tuple[np.ndarray, LogDict]) -> None:
+        """On the writer thread: write fetched logs (`_fetch`), one run per lane of a state
+        under `vmap`; keep the `first_nonfinite` report for the caller."""
+        if item is None:  # no events
+            return
+        runs, logs = item
+        writer = self._writer
+        for lane in np.ndindex(runs.shape):
+            run = int(runs[lane])
+            lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
+            rows = list(records(lane_logs, writer.notify))
+            if rows:
+                type(self)._write_run(self, (run, rows))
+            if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
+                writer.notify(f"{type(self).__name__} (run {run}): {event}", NonfiniteWarning)
 
     def _write_run(self, item: tuple[int, list[Record]]) -> None:
         run, rows = item
@@ -476,8 +621,64 @@ class AbstractLogger(eqx.Module):
             self._close(handle)
 
 
-# What `logger.spool` and `logger.tap` return: pytrees of the wrapped function (an Equinox
-# model's arrays are leaves) and the state, like `eqx.filter_jit(fun)`.
+def _write(logger: AbstractLogger, logs: LogDict, state: LoggerState | None) -> None:
+    """`logger.write(logs, state)`: see there."""
+    cls = type(logger)
+    cls._check(logger)
+    state = cls.init(logger) if state is None else state
+    if _compat.tracing() or not (
+        _one_process()
+        or all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves((state, logs)))
+    ):  # (arrays of many processes: a program over their devices places the call)
+        host = functools.partial(cls._spool_host, logger)
+        _compat.host_callback(host, state, logs, every_process=logger.every_process)
+    else:
+        cls._submit_logs(logger, state, logs, _nbytes(logs))
+
+
+def _reject(logger: AbstractLogger, rejected: dict[str, str]) -> None:
+    if rejected:
+        raise ValueError(
+            f"{type(logger).__name__} cannot store "
+            + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
+            + ". The other keys of this write were written."
+        )
+
+
+@functools.cache
+def _one_process() -> bool:
+    # (asked once arrays exist, so after any `jax.distributed.initialize`)
+    return jax.process_count() == 1
+
+
+def _nbytes(logs: LogDict) -> int:
+    """Roughly the bytes `logs` holds: its values' (counts and steps are a few more)."""
+    leaves = map(_leaves, logs.values())
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for xs in leaves for x in xs)
+
+
+def _leaves(value: Any) -> list[Any]:
+    return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
+
+
+def _fetch(items: list[tuple[LoggerState, LogDict]]) -> list[tuple[np.ndarray, LogDict] | None]:
+    """On the writer thread, before the backend's turn: wait for the device, then fetch the
+    counts of every write queued in a row (one transfer), and the run indices and the keys
+    that hold events of those that have any (another). None for a write without events."""
+    counts = to_host([logs.count for _, logs in items])
+    keep = {}
+    for i, ((state, logs), count) in enumerate(zip(items, counts)):
+        empty = [key for key in logs if not count[key].any()]  # (numpy arrays)
+        if len(empty) < len(logs) or logs._nonfinite is not None:
+            keep[i] = (state.run, logs._without(empty) if empty else logs)
+    fetched = to_host(keep)
+    return [
+        (np.asarray(fetched[i][0]), fetched[i][1]) if i in keep else None for i in range(len(items))
+    ]
+
+
+# What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
+# (an Equinox model's arrays are leaves) and the state, like `eqx.filter_jit(fun)`.
 
 
 class _LoggerSpooled(eqx.Module):
@@ -495,12 +696,28 @@ class _LoggerSpooled(eqx.Module):
         return self.spooled.__wrapped__
 
     def __call__(self, *args, **kwargs):
-        self.logger._check()
-        out, logs = self.spooled(*args, **kwargs)
         logger = self.logger
-        _compat.host_callback(
-            logger._spool_host, self.state, logs, every_process=logger.every_process
-        )
+        type(logger)._check(logger)
+        out, logs = self.spooled(*args, **kwargs)
+        _write(logger, logs, self.state)
+        return out
+
+
+class _LoggerJitted(eqx.Module):
+    logger: AbstractLogger
+    jitted: Callable
+    state: LoggerState
+
+    __hash__ = object.__hash__
+    __eq__ = object.__eq__
+
+    @property
+    def __wrapped__(self):
+        return self.jitted.__wrapped__
+
+    def __call__(self, *args, **kwargs):
+        out, logs = self.jitted(*args, **kwargs)
+        _write(self.logger, logs, self.state)
         return out
 
 
@@ -518,5 +735,6 @@ class _LoggerTapped(eqx.Module):
         return self.tapped.__wrapped__
 
     def __call__(self, *args, **kwargs):
-        self.logger._check()
+        logger = self.logger
+        type(logger)._check(logger)
         return self.tapped(*args, **kwargs)

@@ -4,7 +4,8 @@ from typing import Any
 
 import equinox as eqx
 
-from ._base import AbstractLogger, Record
+from .._logdict import LogDict
+from ._base import AbstractLogger, LoggerState, Record
 from ._writer import Writer, WriterError, WriterWarning
 
 
@@ -56,6 +57,9 @@ class MultiLogger(AbstractLogger):
     def _submit(self, run: int, rows: list[Record]) -> None:
         self._each("_submit", run, rows)  # a key one logger rejects still reaches the others
 
+    def _submit_logs(self, state: LoggerState, logs: LogDict, size: int | None = None) -> None:
+        self._each("_submit_logs", state, logs, size)  # each fetches on its own thread
+
     def _check(self) -> None:
         self._each("_check")
 
@@ -72,7 +76,7 @@ class MultiLogger(AbstractLogger):
         errors = []
         for index, logger in enumerate(self.loggers):  # all of them, then raise the first error
             try:
-                getattr(logger, method)(*args)
+                getattr(type(logger), method)(logger, *args)  # (see AbstractLogger's plumbing)
             except WriterError as e:  # isolated: reported, never raised
                 self._isolate(index, logger, e)
             except Exception as e:  # noqa: BLE001

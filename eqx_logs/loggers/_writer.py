@@ -3,6 +3,7 @@
 import atexit
 import collections
 import dataclasses
+import sys
 import threading
 import time
 import warnings
@@ -69,8 +70,26 @@ class WriteReport:
         )
 
 
+# Frames a warning is not attributed to: eqx_logs, and Equinox's calls of a module's methods.
+_INSIDE = ("eqx_logs.", "equinox._module")
+
+
+def warn_outside(message: str, category: type[Warning]) -> None:
+    """`warnings.warn`, attributed to the first frame outside eqx_logs: the user's call."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_globals.get("__name__", "").startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
 class Writer:
     """Runs `write(item)` for every submitted item on one daemon thread, in order.
+
+    - An item may come with `ready(item)`, run on the thread first: waiting there (for the
+      device to finish computing the arrays an item holds) is not the backend's time, so it
+      never counts towards a stall, and the stall clock starts when it returns.
+    - `notify(message, category)` (from the thread) keeps a warning for the next `check`,
+      which issues it on the caller's thread, attributed to the user's call.
 
     - An exception in `write` is kept and raised (as the cause of a `WriterError`) by the next
       `check`, `submit`, `flush` or `close`; later items are counted and skipped rather than
@@ -104,6 +123,7 @@ class Writer:
         self.on_full = on_full
         self.stall_timeout = stall_timeout
         self.finish: Callable[[], None] | None = None  # set by the owner: closes its runs
+        self.write_logs: Callable[[Any], None] | None = None  # set by the owner
         self.handles: dict[int, Any] = {}  # per-run backend state, used on the thread only
         self._changed = threading.Condition()  # guards everything below
         self._items: collections.deque = collections.deque()
@@ -120,16 +140,35 @@ class Writer:
         self._stalled_since: float | None = None  # while reported as stalled
         self._counts = collections.Counter()  # this report's WriteReport fields
         self._warned_full = False
+        self._waiting = False  # the thread waits in an item's `ready` (for the device)
+        self._notices: list[tuple[str, type[Warning]]] = []
         _live.add(self)
 
     def __repr__(self) -> str:
         return f"Writer({self.name!r})"
 
-    def submit(self, write: Callable[[Any], None], item: Any, size: int = 0) -> None:
+    def submit(
+        self,
+        write: Callable[[Any], None],
+        item: Any,
+        size: int = 0,
+        ready: Callable[[list[Any]], list[Any]] | None = None,
+    ) -> None:
         """Queue `write(item)`; `size` is roughly how many bytes `item` holds. Safe to call
         from any thread (JAX runs host callbacks on its own threads). Waits for room only
-        under `on_full="block"`, and never longer than the backend takes to stall."""
+        under `on_full="block"`, and never longer than the backend takes to stall.
+
+        With `ready`, `write` gets what `ready` made of `item` instead: `ready` takes a list
+        of items and returns a list, and gets every item queued in a row with the same
+        `ready` at once (one transfer from the device for all of them)."""
+        if ready is not None:
+            write, item = _Prepared(write, ready), _Slot(item)
         self._put(write, item, size, always=False)
+
+    def notify(self, message: str, category: type[Warning]) -> None:
+        """Keep a warning for the caller's next `check` (from the writer thread)."""
+        with self._changed:
+            self._notices.append((message, category))
 
     def _fits(self, size: int) -> bool:
         # an item larger than the bound still goes, alone
@@ -137,7 +176,7 @@ class Writer:
 
     def _stalled(self, now: float) -> bool:
         """Busy, with nothing finished for `stall_timeout` seconds (under the lock)."""
-        if self.stall_timeout is None or self._done >= self._submitted:
+        if self.stall_timeout is None or self._done >= self._submitted or self._waiting:
             return False
         return now - self._progress >= self.stall_timeout
 
@@ -180,7 +219,7 @@ class Writer:
                     # on_full="block": wait for room while the backend makes progress
                     left = (
                         None
-                        if self.stall_timeout is None
+                        if self.stall_timeout is None or self._waiting  # (for the device)
                         else (self._progress + self.stall_timeout - now)
                     )
                     self._changed.wait(left)
@@ -220,8 +259,19 @@ class Writer:
                     return
                 write, item, size, always = self._items.popleft()
                 self._writing = not always
+                batch = []
+                if isinstance(write, _Prepared) and item.value is _UNSET:
+                    batch = [item]  # with those queued behind it that the same `ready` makes
+                    for w, slot, *_ in self._items:
+                        if w != write or slot.value is not _UNSET:
+                            break
+                        batch.append(slot)
             recovered = None
             try:
+                if isinstance(write, _Prepared):
+                    if batch and self._error is None:
+                        self._ready(write.ready, batch)
+                    write, item = write.write, item.get()
                 if self._error is None or always:  # closing runs even after an error
                     write(item)
                 else:
@@ -256,13 +306,34 @@ class Writer:
                     stacklevel=2,
                 )
 
+    def _ready(self, ready: Callable[[list[Any]], list[Any]], slots: list["_Slot"]) -> None:
+        """Fill `slots` with `ready` of their items, outside the stall clock, which starts
+        anew when it returns. An error is the first slot's (the others are tried again)."""
+        with self._changed:
+            self._waiting = True
+        try:
+            for slot, value in zip(slots, ready([slot.item for slot in slots]), strict=True):
+                slot.item, slot.value = None, value  # (the device's buffers are let go)
+        except BaseException as e:  # noqa: BLE001 (raised by the first slot's write)
+            slots[0].value = _Failed(e)
+        finally:
+            with self._changed:
+                self._waiting = False
+                self._progress = time.monotonic()
+                self._changed.notify_all()  # waiters' stall deadlines start now
+
     @property
     def pending_bytes(self) -> int:
         """Bytes submitted and not yet written."""
         return self._pending_bytes
 
     def check(self) -> None:
-        """Raise the writer's error, if its thread has hit one."""
+        """Issue the warnings the thread kept (`notify`); raise the writer's error, if its
+        thread has hit one."""
+        with self._changed:
+            notices, self._notices = self._notices, []
+        for message, category in notices:
+            warn_outside(message, category)
         with self._changed:
             error, skipped, lost = self._error, self._skipped, self._error_lost
             if error is None:
@@ -281,7 +352,7 @@ class Writer:
         with self._changed:
             target = self._submitted
             while self._done < target:
-                if self.stall_timeout is None:
+                if self.stall_timeout is None or self._waiting:  # (for the device)
                     self._changed.wait()
                     continue
                 left = self._progress + self.stall_timeout - time.monotonic()
@@ -350,6 +421,35 @@ class Writer:
             self._changed.notify_all()
         self._report()
         self.check()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A write whose item is first made ready (`Writer.submit(..., ready=)`)."""
+
+    write: Callable[[Any], None]
+    ready: Callable[[list[Any]], list[Any]]
+
+
+_UNSET = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+@dataclasses.dataclass
+class _Slot:
+    """The item of a `_Prepared` write, and (once made) what `ready` made of it."""
+
+    item: Any
+    value: Any = _UNSET
+
+    def get(self) -> Any:
+        if isinstance(self.value, _Failed):
+            raise self.value.error
+        return self.value
 
 
 @atexit.register

@@ -1,0 +1,210 @@
+"""The per-step training loop: one compiled step per Python iteration, writing to a logger.
+
+An Equinox MLP trained with optax's adam, `STEPS` steps of a Python loop, the loss, the
+gradient norm and the learning-rate scale logged with `step=i` and `interval=100`, written
+to a JSONL file. Each form runs the same loop; the ratio is its wall time over the loop
+without logging (`eqx.filter_jit(step)`, the loss ignored), measured side by side
+(interleaved, median of the per-round ratios), for a small MLP (dispatch-bound) and a wide
+one (compute-bound). Target for the recommended form, `logger.jit`: <= 1.05.
+
+Forms:
+
+- `habit`: the step returns the loss; every 100th step `float()`s it and writes a line;
+- `logger.jit`: `logger.jit(step, state, interval=100)` (the recommended form);
+- `jit + write`: `eqx.filter_jit(eqx_logs.spool(step, interval=100))`, then
+  `logger.write(logs)` every step;
+- `filter_jit(logger.spool)`, `filter_jit(logger.tap)`: the logger's wrappers inside the
+  user's jit (a host callback in every step).
+
+Every form's file is read back and checked: steps 0, 100, 200, ... with the loss the
+`habit` form computed. With `--memory`, the resident memory of a 10,000-step `logger.jit`
+loop is sampled every 1,000 steps (it must stay flat).
+
+Run from the repository root: `python benchmarks/bench_loop.py [--quick] [--memory]`.
+"""
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_logs
+from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+STEPS, INTERVAL, TARGET = 300, 100, 1.05
+SIZES = {"small MLP": (32, 2), "wide MLP": (1024, 3)}  # (width, depth)
+BATCH, IN = 64, 32
+
+
+def make(width: int, depth: int):
+    model = eqx.nn.MLP(IN, 1, width, depth, key=jax.random.key(0))
+    opt = optax.adam(1e-3)
+    x = jax.random.normal(jax.random.key(1), (BATCH, IN))
+    y = jax.random.normal(jax.random.key(2), (BATCH, 1))  # noise: the loss stays away from 0
+
+    def loss_fn(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    def step(model, opt_state, x, y, i):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        model = eqx.apply_updates(model, updates)
+        eqx_logs.log(
+            {"loss": loss, "grad_norm": optax.tree.norm(grads), "scale": jnp.float32(1.0)},
+            step=i,
+        )
+        return model, opt_state, loss
+
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    return model, opt_state, x, y, step
+
+
+def loops(width: int, depth: int, path: str):
+    """Each form as a function running the whole loop, and a check of its file."""
+    model0, opt0, x, y, step = make(width, depth)
+    plain = eqx.filter_jit(step)
+
+    def run_plain():
+        m, o = model0, opt0
+        for i in range(STEPS):
+            m, o, _ = plain(m, o, x, y, jnp.int32(i))
+        jax.block_until_ready(m)
+
+    habit_losses = {}
+
+    def run_habit(logger):
+        def go():
+            m, o = model0, opt0
+            with open(logger, "a") as f:
+                for i in range(STEPS):
+                    m, o, loss = plain(m, o, x, y, jnp.int32(i))
+                    if i % INTERVAL == 0:
+                        habit_losses[i] = float(loss)
+                        f.write(json.dumps({"key": "loss", "value": float(loss), "step": i}))
+                        f.write("\n")
+            jax.block_until_ready(m)
+
+        return go
+
+    def run_with(make_step, after=None):
+        def go(logger, state):
+            fn = make_step(logger, state)
+            m, o = model0, opt0
+            for i in range(STEPS):
+                out = fn(m, o, x, y, jnp.int32(i))
+                if after is None:
+                    m, o, _ = out
+                else:
+                    (m, o, _), logs = out
+                    after(logger, logs, state)
+            jax.block_until_ready(m)
+            logger.flush()
+
+        return go
+
+    spooled = eqx.filter_jit(eqx_logs.spool(step, interval=INTERVAL))
+    forms = {
+        "logger.jit": run_with(lambda lg, s: lg.jit(step, s, interval=INTERVAL)),
+        "jit + write": run_with(lambda lg, s: spooled, lambda lg, logs, s: lg.write(logs, s)),
+        "filter_jit(logger.spool)": run_with(
+            lambda lg, s: eqx.filter_jit(lg.spool(step, s, interval=INTERVAL))
+        ),
+        "filter_jit(logger.tap)": run_with(
+            lambda lg, s: eqx.filter_jit(lg.tap(step, s, interval=INTERVAL))
+        ),
+    }
+    return run_plain, run_habit, forms, habit_losses
+
+
+def check(path: str, losses: dict[int, float], form: str) -> None:
+    rows = [r for r in read_jsonl(path) if r["key"] == "loss"]
+    steps = [r["step"] for r in rows]
+    want = list(range(0, STEPS, INTERVAL))
+    assert steps[-len(want) :] == want, (form, steps)
+    got = [r["value"] for r in rows[-len(want) :]]
+    np.testing.assert_allclose(got, [losses[s] for s in want], rtol=1e-3, atol=1e-6, err_msg=form)
+
+
+def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]:
+    tmp = tempfile.mkdtemp()
+    run_plain, run_habit, forms, losses = loops(width, depth, tmp)
+    habit_path = os.path.join(tmp, "habit.jsonl")
+    loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
+    states = {f: loggers[f].init() for f in forms}
+    runs = {"plain": run_plain, "habit": run_habit(habit_path)}
+    runs.update({f: (lambda f=f: forms[f](loggers[f], states[f])) for f in forms})
+    for fn in runs.values():  # compile, warm up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - start)
+    for f, logger in loggers.items():
+        logger.close()
+        check(logger.path, losses, f)
+    base = times["plain"]
+    per_step = statistics.median(base) / STEPS * 1e6
+    print(f"\n{name} (width {width}, depth {depth}): plain {per_step:.0f} us/step")
+    ratios = {}
+    for k in runs:
+        if k == "plain":
+            continue
+        ratios[k] = statistics.median(t / b for t, b in zip(times[k], base))
+        mark = ""
+        if k == "logger.jit":
+            mark = "  ok" if ratios[k] <= TARGET else f"  MISS (target <= {TARGET})"
+        print(f"  {k:28s} {ratios[k]:5.2f}x{mark}")
+    return ratios
+
+
+def memory(width: int, depth: int) -> None:
+    tmp = tempfile.mkdtemp()
+    model, opt_state, x, y, step = make(width, depth)
+    with JsonlLogger(os.path.join(tmp, "mem.jsonl")) as logger:
+        fn = logger.jit(step, logger.init(), interval=INTERVAL)
+        samples = []
+        for i in range(10_000):
+            model, opt_state, _ = fn(model, opt_state, x, y, jnp.int32(i))
+            if i % 1000 == 999:
+                jax.block_until_ready(model)
+                samples.append(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    rows = read_jsonl(os.path.join(tmp, "mem.jsonl"))
+    assert [r["step"] for r in rows if r["key"] == "loss"] == list(range(0, 10_000, INTERVAL))
+    print("\nmax resident MiB, every 1000 of 10,000 steps:", [round(s) for s in samples])
+    print(f"  growth over the last 9,000 steps: {samples[-1] - samples[0]:.1f} MiB")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--memory", action="store_true")
+    args = parser.parse_args()
+    repeats = 3 if args.quick else 7
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores; "
+        f"{STEPS} steps, interval={INTERVAL}, JSONL; "
+        f"median of {repeats} interleaved rounds"
+    )
+    for name, (width, depth) in SIZES.items():
+        measure(name, width, depth, repeats)
+    if args.memory:
+        memory(*SIZES["small MLP"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

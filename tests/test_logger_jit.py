@@ -1,0 +1,340 @@
+"""`logger.jit`: the per-step training loop's form. The compiled step holds no host callback
+and no effect; its logs leave it as arrays and the writer thread fetches and writes them.
+
+Each test compares the file against values computed by hand (numpy) or against the other
+logger forms on the same loop, and counts real executions where the question is how often
+something ran.
+"""
+
+import threading
+import time
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_logs
+from eqx_logs.loggers import (
+    JsonlLogger,
+    MultiLogger,
+    NonfiniteWarning,
+    TensorBoardLogger,
+    WriterError,
+    read_jsonl,
+)
+
+STEPS, INTERVAL = 30, 10
+
+
+def train_step(w, i):
+    loss = jnp.sum(w**2)
+    eqx_logs.log({"loss": loss, "norm": jnp.linalg.norm(w)}, step=i)
+    return w * jnp.float32(0.99)
+
+
+def reference(steps=STEPS, interval=INTERVAL):
+    """(key, step, value) of every kept event, in order, computed in numpy."""
+    w, out = np.ones(3, np.float32), []
+    for i in range(steps):
+        if i % interval == 0:
+            out += [("loss", i, float(np.sum(w**2))), ("norm", i, float(np.linalg.norm(w)))]
+        w = w * np.float32(0.99)
+    return out
+
+
+def rows(path):
+    return [(r["key"], r["step"], r["value"]) for r in read_jsonl(path)]
+
+
+def loop(step, n=STEPS):
+    w = jnp.ones(3, jnp.float32)
+    for i in range(n):
+        w = step(w, jnp.int32(i))
+    return w
+
+
+def assert_rows(got, want):
+    assert [(k, s) for k, s, _ in got] == [(k, s) for k, s, _ in want]
+    np.testing.assert_allclose([v for *_, v in got], [v for *_, v in want], rtol=1e-5)
+
+
+def test_the_per_step_loop_writes_every_kept_event_in_order(tmp_path):
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        w = loop(logger.jit(train_step, logger.init(), interval=INTERVAL))
+    assert_rows(rows(tmp_path / "a.jsonl"), reference())
+    np.testing.assert_allclose(w, np.float32(0.99) ** STEPS * np.ones(3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["spool", "tap", "write"])
+def test_it_writes_what_the_other_forms_write(tmp_path, form):
+    with JsonlLogger(tmp_path / "jit.jsonl") as logger:
+        loop(logger.jit(train_step, logger.init(), interval=INTERVAL))
+    with JsonlLogger(tmp_path / "other.jsonl") as logger:
+        state = logger.init()
+        if form == "spool":
+            loop(eqx.filter_jit(logger.spool(train_step, state, interval=INTERVAL)))
+        elif form == "tap":
+            loop(eqx.filter_jit(logger.tap(train_step, state, interval=INTERVAL)))
+        else:
+            spooled = eqx.filter_jit(eqx_logs.spool(train_step, interval=INTERVAL))
+
+            def step(w, i):
+                w, logs = spooled(w, i)
+                logger.write(logs, state)
+                return w
+
+            loop(step)
+    assert rows(tmp_path / "jit.jsonl") == rows(tmp_path / "other.jsonl")
+
+
+def test_the_compiled_step_holds_no_callback_and_no_effect():
+    jaxpr = jax.make_jaxpr(eqx_logs.spool(train_step, interval=INTERVAL))(jnp.ones(3), jnp.int32(0))
+    assert not jaxpr.effects
+
+    def primitives(jaxpr):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name
+            for sub in jax.core.subjaxprs(eqn) if hasattr(jax.core, "subjaxprs") else ():
+                yield from primitives(sub)
+
+    assert not [p for p in primitives(jaxpr.jaxpr) if "callback" in p]
+    # and what logger.jit compiles is that function: its lowering has no host call either
+    with JsonlLogger("/dev/null") as logger:
+        step = logger.jit(train_step, logger.init(), interval=INTERVAL)
+        text = step.jitted.lower(jnp.ones(3), jnp.int32(0)).as_text()
+    assert "callback" not in text and "custom_call" not in text
+
+
+def test_writing_never_waits_for_the_device(tmp_path):
+    """A step that keeps the device busy for about a second, in `jax.jit` (which returns at
+    once; `eqx.filter_jit`, and so `logger.jit`, waits for each call to report Equinox's
+    runtime errors): `logger.write` returns at once too, the writer waits for the arrays
+    (that wait is not the backend's: no stall with `stall_timeout=0.2`), and the event is
+    written."""
+    m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
+
+    def step(w, n, i):
+        w = jax.lax.fori_loop(0, n, lambda _, w: jnp.tanh(w @ m), w)
+        eqx_logs.log("w", jnp.sum(w), step=i)
+        return w
+
+    w0 = jnp.ones((8, 256), jnp.float32)
+    spooled = jax.jit(eqx_logs.spool(step))
+    logger = JsonlLogger(tmp_path / "a.jsonl", stall_timeout=0.2)
+    n, took, i = 100, 0.0, 0
+    while took < 0.8:  # about a second of work (steps 0, 1, ... are written)
+        n *= 2 if took < 0.1 else 1.6
+        start = time.monotonic()
+        w, logs = jax.block_until_ready(spooled(w0, jnp.int32(n), jnp.int32(i)))
+        logger.write(logs)
+        took, i = time.monotonic() - start, i + 1
+    logger.flush()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no stall warning
+        start = time.monotonic()
+        w, logs = spooled(w0, jnp.int32(n), jnp.int32(i))
+        logger.write(logs)
+        returned = time.monotonic() - start
+        logger.close()
+        closed = time.monotonic() - start
+    assert returned < took / 3, (returned, took)
+    assert closed >= took / 2  # close waited for the device
+    got = read_jsonl(tmp_path / "a.jsonl")
+    assert [r["step"] for r in got] == list(range(i + 1))
+    np.testing.assert_allclose(got[-1]["value"], float(jnp.sum(w)), rtol=1e-5)
+
+
+def test_donated_buffers_reach_the_file_with_their_values(tmp_path):
+    """The logged weights are donated to the next step before the writer fetches them."""
+
+    def step(w, i):
+        eqx_logs.log("w", w, step=i)
+        return w * 2
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), donate="all")
+        w = jnp.ones(4, jnp.float32)
+        for i in range(5):
+            w = jitted(w, jnp.int32(i))
+    got = read_jsonl(tmp_path / "a.jsonl")
+    assert [r["step"] for r in got] == list(range(5))
+    np.testing.assert_array_equal([r["value"] for r in got], [[2.0**i] * 4 for i in range(5)])
+
+
+def test_steps_without_events_write_nothing_and_reductions_follow_the_interval(tmp_path):
+    def step(w, i):
+        eqx_logs.log("loss", jnp.sum(w), step=i)
+        return w + 1
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), interval=4, reduce="mean")
+        w = jnp.zeros(2, jnp.float32)
+        for i in range(10):
+            w = jitted(w, jnp.int32(i))
+    got = read_jsonl(tmp_path / "a.jsonl")
+    got = [(r["step"], r["value"], r["count"]) for r in got]
+    assert got == [(0, 0.0, 1), (4, 8.0, 1), (8, 16.0, 1)]
+
+
+def test_an_equinox_model_with_optax_trains_as_without_logging(tmp_path, standard_promotion):
+    """A real training step (an Equinox MLP, optax adam): the model after the loop equals
+    the one trained without logging, and the logged losses equal those returned."""
+    model = eqx.nn.MLP(4, 1, 16, 2, key=jax.random.key(0))
+    opt = optax.adam(1e-2)
+    x = jax.random.normal(jax.random.key(1), (32, 4))
+    y = jnp.sum(x, axis=1, keepdims=True)
+
+    def step(model, opt_state, i):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(
+            model
+        )
+        eqx_logs.log({"loss": loss, "grad_norm": optax.tree.norm(grads)}, step=i)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    plain = eqx.filter_jit(step)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    m0, o0 = model, opt_state
+    losses = []
+    for i in range(12):
+        model, opt_state, loss = plain(model, opt_state, jnp.int32(i))
+        losses.append(float(loss))
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), interval=3)
+        m, o = m0, o0
+        for i in range(12):
+            m, o, _ = jitted(m, o, jnp.int32(i))
+    for a, b in zip(jax.tree.leaves(eqx.filter(m, eqx.is_array)), jax.tree.leaves(model)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    got = [r for r in read_jsonl(tmp_path / "a.jsonl") if r["key"] == "loss"]
+    assert [r["step"] for r in got] == [0, 3, 6, 9]
+    np.testing.assert_allclose([r["value"] for r in got], losses[::3], rtol=1e-5)
+
+
+def test_a_backend_error_and_a_nonfinite_value_come_from_the_next_call(tmp_path):
+    def step(x, i):
+        eqx_logs.log("y", jnp.log(x), step=i)
+        return x
+
+    class Failing(JsonlLogger):
+        def _write(self, handle, run, records):
+            raise OSError("disk on fire")
+
+    logger = Failing(tmp_path / "a.jsonl")
+    jitted = logger.jit(step, logger.init())
+    jitted(jnp.float32(1.0), jnp.int32(0))
+    logger._writer._wait()  # the writer has failed by now
+    with pytest.raises(WriterError, match="disk on fire"):
+        jitted(jnp.float32(1.0), jnp.int32(1))
+    logger.close()
+
+    with JsonlLogger(tmp_path / "b.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), first_nonfinite=True)
+        jitted(jnp.float32(-1.0), jnp.int32(7))
+        with pytest.warns(NonfiniteWarning, match=r"event 0 of key 'y'.*step=7") as caught:
+            logger.flush()
+    assert caught[0].filename == __file__  # the user's call
+    assert [r["step"] for r in read_jsonl(tmp_path / "b.jsonl")] == [7]
+
+
+def test_inside_jit_and_vmap_it_falls_back_to_a_host_callback(tmp_path):
+    def step(w, i):
+        eqx_logs.log("s", jnp.sum(w), step=i)
+        return w + 1
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        states = jax.vmap(logger.init)(jnp.arange(3))
+
+        @jax.jit
+        def outer(states, ws, i):
+            return jax.vmap(lambda s, w: logger.jit(step, s)(w, i))(states, ws)
+
+        ws = jnp.arange(6.0).reshape(3, 2)
+        out = outer(states, ws, jnp.int32(5))
+    np.testing.assert_array_equal(out, ws + 1)
+    got = sorted((r["run"], r["step"], r["value"]) for r in read_jsonl(tmp_path / "a.jsonl"))
+    assert got == [(0, 5, 1.0), (1, 5, 5.0), (2, 5, 9.0)]
+
+
+def test_a_vmapped_spool_written_with_vmapped_states_writes_each_run(tmp_path):
+    """`logger.write(logs, states)` outside jit: the writer splits the lanes, one run each."""
+    spooled = jax.jit(jax.vmap(eqx_logs.spool(train_step)))
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        states = jax.vmap(logger.init)(jnp.arange(2))
+        _, logs = spooled(jnp.stack([jnp.ones(3), 2 * jnp.ones(3)]), jnp.array([0, 1]))
+        logger.write(logs, states)
+    got = [(r["run"], r["key"], r["step"], r["value"]) for r in read_jsonl(tmp_path / "a.jsonl")]
+    assert got == [
+        (0, "loss", 0, 3.0),
+        (0, "norm", 0, pytest.approx(np.sqrt(3))),
+        (1, "loss", 1, 12.0),
+        (1, "norm", 1, pytest.approx(np.sqrt(12))),
+    ]
+
+
+def test_a_value_the_backend_cannot_store_is_named_at_the_call(tmp_path):
+    def step(x, i):
+        eqx_logs.log({"z": jax.lax.complex(x, x), "ok": x}, step=i)
+        return x
+
+    logger = TensorBoardLogger(tmp_path)
+    jitted = logger.jit(step, logger.init())
+    with pytest.raises(ValueError, match="TensorBoardLogger cannot store key 'z': complex"):
+        jitted(jnp.float32(2.0), jnp.int32(0))
+    logger.close()
+    from helpers import read_tensorboard
+
+    got, _ = read_tensorboard(tmp_path / "run_0")
+    assert got == {"ok": [(0, 2.0)]}
+
+
+def test_a_multilogger_writes_each_backend(tmp_path):
+    logger = MultiLogger(JsonlLogger(tmp_path / "a.jsonl"), JsonlLogger(tmp_path / "b.jsonl"))
+    with logger:
+        loop(logger.jit(train_step, logger.init(), interval=INTERVAL))
+    assert rows(tmp_path / "a.jsonl") == rows(tmp_path / "b.jsonl")
+    assert_rows(rows(tmp_path / "a.jsonl"), reference())
+
+
+def test_threads_writing_concurrently_keep_each_ones_order(tmp_path):
+    """Two training loops in two threads, one logger, one run each: every event is written,
+    each run's in its order."""
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+
+        def run(r):
+            loop(logger.jit(train_step, logger.init(r), interval=1), n=40)
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    got = read_jsonl(tmp_path / "a.jsonl")
+    for r in range(2):
+        mine = [(x["key"], x["step"], x["value"]) for x in got if x["run"] == r]
+        assert_rows(mine, reference(40, 1))
+
+
+def test_memory_stays_flat_over_many_steps(tmp_path):
+    """The writes queued for the writer hold device arrays; they are let go once fetched."""
+    big = jnp.ones(2**16, jnp.float32)
+
+    def step(w, i):
+        eqx_logs.log("w", w, step=i)
+        return w
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), interval=500)
+        for i in range(2000):
+            jitted(big, jnp.int32(i))
+            if i == 999:
+                logger.flush()
+                live = len(jax.live_arrays())
+        logger.flush()
+        assert len(jax.live_arrays()) <= live + 2
+        assert logger._writer.pending_bytes == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 500, 1000, 1500]
