@@ -29,7 +29,7 @@ from eqx_logs.loggers import (
 
 STALL = 0.5  # seconds: the stall timeout of these tests
 SLACK = 4.0  # seconds: generous, for a loaded machine
-SCALAR = 12  # bytes one write below holds: a float32 loss, its int32 count and step
+SCALAR = 4  # bytes a float32 loss holds: the size of one write below
 
 
 class Gate:

@@ -591,18 +591,21 @@ class AbstractLogger(eqx.Module):
         unstorable = type(self)._unstorable
         return {key: why for key, leaf in leaves if (why := unstorable(self, leaf)) is not None}
 
-    def _write_logs(self, item: tuple[np.ndarray, LogDict]) -> None:
+    def _write_logs(self, item: tuple[np.ndarray, LogDict | None]) -> None:
         """On the writer thread: write fetched logs (`_fetch`), one run per lane of a state
-        under `vmap`; keep the `first_nonfinite` report for the caller."""
-        if item is None:  # no events
-            return
+        under `vmap` (a run written nothing is opened all the same); keep the
+        `first_nonfinite` report for the caller."""
         runs, logs = item
         writer = self._writer
         for lane in np.ndindex(runs.shape):
             run = int(runs[lane])
+            if logs is None:  # no events
+                if run not in writer.handles:
+                    type(self)._write_run(self, (run, []))
+                continue
             lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
             rows = list(records(lane_logs, writer.notify))
-            if rows:
+            if rows or run not in writer.handles:
                 type(self)._write_run(self, (run, rows))
             if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
                 writer.notify(f"{type(self).__name__} (run {run}): {event}", NonfiniteWarning)
@@ -661,20 +664,18 @@ def _leaves(value: Any) -> list[Any]:
     return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
 
 
-def _fetch(items: list[tuple[LoggerState, LogDict]]) -> list[tuple[np.ndarray, LogDict] | None]:
+def _fetch(items: list[tuple[LoggerState, LogDict]]) -> list[tuple[np.ndarray, LogDict | None]]:
     """On the writer thread, before the backend's turn: wait for the device, then fetch the
-    counts of every write queued in a row (one transfer), and the run indices and the keys
-    that hold events of those that have any (another). None for a write without events."""
-    counts = to_host([logs.count for _, logs in items])
+    run indices and counts of every write queued in a row (one transfer), and the keys that
+    hold events of those that have any (another). `(runs, None)` for a write without events."""
+    runs_counts = to_host([(state.run, logs.count) for state, logs in items])
     keep = {}
-    for i, ((state, logs), count) in enumerate(zip(items, counts)):
+    for i, ((_, logs), (_, count)) in enumerate(zip(items, runs_counts)):
         empty = [key for key in logs if not count[key].any()]  # (numpy arrays)
         if len(empty) < len(logs) or logs._nonfinite is not None:
-            keep[i] = (state.run, logs._without(empty) if empty else logs)
+            keep[i] = logs._without(empty) if empty else logs
     fetched = to_host(keep)
-    return [
-        (np.asarray(fetched[i][0]), fetched[i][1]) if i in keep else None for i in range(len(items))
-    ]
+    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(runs_counts)]
 
 
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
