@@ -54,12 +54,19 @@ def log_only(
 
 
 class Lazy:
-    """An operand of a log that is computed only when forced."""
+    """An operand of a log that is computed only when forced, each equation evaluated with
+    `bind` (the interpreter's: see `Interpreter.bind_eqn`)."""
 
-    __slots__ = ("var", "env", "producers")
+    __slots__ = ("var", "env", "producers", "bind")
 
-    def __init__(self, var: Any, env: dict[Any, Any], producers: Producers):
-        self.var, self.env, self.producers = var, env, producers
+    def __init__(
+        self,
+        var: Any,
+        env: dict[Any, Any],
+        producers: Producers,
+        bind: Callable[[_compat.JaxprEqn, list[Any]], list[Any]] = _compat.bind_eqn,
+    ):
+        self.var, self.env, self.producers, self.bind = var, env, producers, bind
 
     def value(self, memo: dict[Any, Any] | None) -> Any:
         """Evaluate in the current trace; results are kept in `memo` (None: in the jaxpr's
@@ -83,7 +90,7 @@ class Lazy:
         for i in sorted(needed):
             eqn = needed[i]
             invals = [self._read(u, memo, stop) for u in eqn.invars]
-            for v, x in zip(eqn.outvars, _compat.bind_eqn(eqn, invals)):
+            for v, x in zip(eqn.outvars, self.bind(eqn, invals)):
                 if not isinstance(v, _compat.DropVar):
                     memo[v] = x
         return self._read(self.var, memo, stop)

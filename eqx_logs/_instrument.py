@@ -179,7 +179,8 @@ def instrument(
 
     The statistics are over everything a call computes: under a `jax.vmap` inside the spool
     (over the batch, or Equinox's over the tokens of a sequence) over all lanes together, one
-    value per call rather than one per example or token; under a `jax.vmap` outside it
+    value per call rather than one per example or token (in a `lax.cond` whose predicate
+    that vmap batches: over the lanes that take the branch); under a `jax.vmap` outside it
     (`jax.vmap(spool(f))`: seeds, an ensemble) per lane, each run's own. A layer stacked with
     `eqx.filter_vmap` and applied in `lax.scan` logs one event per layer.
 

@@ -341,11 +341,6 @@ class Interpreter:
     # states of untaken branches away (for predicates JAX batches; see `_lanes.py`).
     tracks_guards = False
 
-    # Whether statistics (`log_stats`, `instrument`) evaluated here are per lane under a
-    # `vmap` around it (`_stats.stats_p`): true for what consumes the logs (spool, tap), false
-    # for what re-evaluates a function inside them (masking, plant).
-    stats_per_lane = True
-
     @contextlib.contextmanager
     def guard(self, pred: Callable[[], Any], lane: Any = None):
         """Evaluate what follows only where `pred()` holds (a cond branch's index, a while
@@ -366,6 +361,21 @@ class Interpreter:
         if not self._lane_guards:
             return None
         return functools.reduce(jnp.logical_and, self._lane_guards)
+
+    def statistics(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+        """The outputs of a statistics equation (`log_stats`, `instrument`; see
+        `_stats.stats_p`). What consumes the logs (spool, tap) makes them per lane under a
+        `vmap` around it; what re-evaluates a function inside them (masking, plant) binds
+        them otherwise."""
+        return _compat.bind_eqn(per_lane(eqn), invals)
+
+    def bind_eqn(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+        """`_compat.bind_eqn` for an equation that is neither a log nor evaluated by a rule
+        (at once, or when an event forces it: `Lazy`), statistics as `statistics` binds
+        them."""
+        if eqn.primitive is stats_p:
+            return self.statistics(eqn, invals)
+        return _compat.bind_eqn(eqn, invals)
 
     def threadable(self, states: dict[str, Any]) -> dict[str, Any]:
         """`states` as arrays, to pass through a function JAX traces separately."""
@@ -833,7 +843,8 @@ class Interpreter:
                 return v.val
             if v in env or v not in producers:
                 return env[v]
-            return Lazy(v, env, producers)  # computed only for logs: when an event needs it
+            # computed only for logs: when an event needs it
+            return Lazy(v, env, producers, self.bind_eqn)
 
         for v, x in zip(jaxpr.constvars, consts):
             env[v] = x
@@ -842,8 +853,6 @@ class Interpreter:
         for eqn in jaxpr.eqns:
             if id(eqn) in deferred:
                 continue
-            if eqn.primitive is stats_p and self.stats_per_lane:
-                eqn = per_lane(eqn)
             invals = [read(v) for v in eqn.invars]
             if is_log(eqn):
                 self._event(eqn, invals, states)
@@ -855,7 +864,7 @@ class Interpreter:
             ):
                 outs, states = self.rule(eqn).apply(self, eqn, invals, states)
             else:
-                outs = _compat.bind_eqn(eqn, invals)
+                outs = self.bind_eqn(eqn, invals)
             if self._lane_values or _lanes.is_lane_primitive(eqn):
                 self._follow_lanes(eqn, invals, outs)
             for v, x in zip(eqn.outvars, outs):
@@ -894,11 +903,6 @@ class Interpreter:
 
             producers = log_only(jaxpr, is_log, keeps)
             deferred = {id(eqn) for _, eqn in producers.values()}
-            if self.stats_per_lane:
-                producers = {
-                    v: (i, per_lane(eqn) if eqn.primitive is stats_p else eqn)
-                    for v, (i, eqn) in producers.items()
-                }
             hit = self._log_only_cache[id(jaxpr)] = (jaxpr, producers, deferred)
         return hit[1], hit[2]
 

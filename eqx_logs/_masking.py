@@ -5,7 +5,8 @@ lane and selects the results, and runs a `while_loop`'s body for every lane unti
 are done. Logs inside would then fire for untaken branches and finished lanes (the bug of
 oryx, logify and checkify). For conds and while loops that contain logs, eqx_logs replaces
 JAX's batching rules with ones that do the same thing while giving every log a validity mask:
-the lanes where its branch is taken, or where the loop is still running.
+the lanes where its branch is taken, or where the loop is still running. Statistics
+(`log_stats`, `instrument`), over all lanes of such a vmap together, are over those lanes.
 """
 
 import itertools
@@ -21,23 +22,33 @@ from ._interpret import Interpreter
 from ._policy import Policy
 from ._primitive import log_effect, rebind
 from ._rules import RULES
+from ._stats import masked
 
 
 class _MaskInterpreter(Interpreter):
     """Re-evaluates a jaxpr, adding `mask` to every log (through nested control flow)."""
 
     wraps_custom_rules = False  # the spool or tap around the vmap does it
-    stats_per_lane = False  # the vmap is inside the spool
 
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
         super().__init__(Policy(), RULES)
         self.mask, self.branch = mask, branch
         self._reductions = {}  # no states to thread
 
-    def _event(self, eqn, invals, states):
+    def _kept(self) -> Any:
+        """Whether (in this lane) the events here are kept."""
         lane = self.lane_mask()
-        mask = self.mask if lane is None else jnp.logical_and(self.mask, lane)
-        rebind(eqn, invals, mask, branch=self.branch)
+        return self.mask if lane is None else jnp.logical_and(self.mask, lane)
+
+    def _event(self, eqn, invals, states):
+        rebind(eqn, invals, self._kept(), branch=self.branch)
+
+    def statistics(self, eqn, invals):
+        # the vmap is inside the spool (the model's batch): a statistic is over the lanes
+        # whose events are kept (those of a lane value with lane axes, a loop under a vmap
+        # inside the branch: if any of them is)
+        kept = self._kept()
+        return masked(eqn, invals, kept if jnp.ndim(kept) == 0 else jnp.any(kept))
 
 
 def masked_eval(

@@ -1,7 +1,7 @@
 """`sow` and `plant`: logged values that can be replaced (oryx's `plant`, Penzai's activation
 patching)."""
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
@@ -86,12 +86,14 @@ class _PlantInterpreter(Interpreter):
     log passes on to an enclosing spool or tap."""
 
     name = "eqx_logs.plant"
-    stats_per_lane = False  # a vmap around a plant may be inside a spool
 
     def __init__(self, values: dict[str, Any]):
         super().__init__(Policy(), RULES, keep=True)
         self.values = values
         self.seen: set[str] = set()
+
+    def statistics(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+        return _compat.bind_eqn(eqn, invals)  # a vmap around a plant may be inside a spool
 
     def reduction_of(self, key: str, site_reduce: Any = None) -> Any:
         return Count() if key in self.values else DROP

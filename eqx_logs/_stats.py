@@ -16,9 +16,11 @@ from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_
 
 def _float_dtype(dtype: Any) -> Any:
     # statistics in at least float32: a bfloat16 activation's mean of squares overflows
-    if not jnp.issubdtype(dtype, jnp.inexact):
+    # (chosen by hand: strict dtype promotion has no path from float16 to float32)
+    dtype = jnp.dtype(dtype)
+    if not jnp.issubdtype(dtype, jnp.inexact) or dtype.itemsize < 4:
         return jnp.dtype(jnp.float32)
-    return jnp.promote_types(dtype, jnp.float32)
+    return dtype
 
 
 def _float(x: Array) -> Array:
@@ -30,11 +32,18 @@ def _float(x: Array) -> Array:
 STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
-def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> list[Array]:
+def _compute(
+    x: Array, mask: Array | None = None, *, stats: tuple[str, ...], lanes: int | None = None
+) -> list[Array]:
     """The statistics `stats` of `x`, in at least float32: over all of it, or, with `lanes`,
     over all but its first `lanes` axes (independent runs: a `vmap` outside the spool), one
-    statistic per lane. In as few passes over `x` as a CPU makes (it runs each reduction as a
-    loop of its own, and writes out an elementwise array that two reductions share):
+    statistic per lane. With `mask` (booleans, each axis of size 1 or that of `x`'s axis at
+    its place: a mask of `x`'s leading axes), over the elements where it holds only: a lane
+    of a `vmap` inside the spool that does not take a batched cond's branch (`masked`). The
+    statistics of no elements are 0 (their events are masked too).
+
+    In as few passes over `x` as a CPU makes (it runs each reduction as a loop of its own,
+    and writes out an elementwise array that two reductions share):
 
     - the common case takes `max |x|`, `sum x` and `sum x**2`: reductions of `x` itself, each
       with its elementwise operation fused in, so nothing the size of `x` is written;
@@ -52,10 +61,23 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
     lanes = lanes or 0
     axes = tuple(range(lanes, x.ndim))
     n = math.prod(x.shape[lanes:])
-    size = jnp.asarray(n, x.dtype)
+    if mask is None:
+        full = x
+        size = denominator = jnp.asarray(n, x.dtype)
+    else:
+        # `x` with its masked elements 0, and the number of the others, per lane
+        kept = jnp.reshape(mask, jnp.shape(mask) + (1,) * (x.ndim - jnp.ndim(mask)))
+        full, x = x, jnp.where(kept, x, jnp.zeros((), x.dtype))
+        per_kept = jnp.asarray(n // math.prod(kept.shape[lanes:]), x.dtype)  # per mask element
+        size = jnp.sum(kept, axis=axes, dtype=jnp.int32).astype(x.dtype) * per_kept
+        size = jnp.broadcast_to(size, x.shape[:lanes])
+        denominator = jnp.maximum(size, jnp.ones((), x.dtype))
 
     def lane_wise(y):  # a lane's value, broadcast against `x`
         return jnp.reshape(y, y.shape + (1,) * len(axes))
+
+    def kept_only(y, empty):  # `y` where the mask holds, `empty` elsewhere
+        return y if mask is None else jnp.where(kept, y, jnp.asarray(empty, y.dtype))
 
     absmax = jnp.max(jnp.abs(x), axis=axes)
     zero = jnp.zeros(x.shape[:lanes], x.dtype)
@@ -63,7 +85,7 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
     if need & {"mean", "std", "rms", "norm", "nonfinite"}:
         total = jnp.sum(x, axis=axes) if need & {"mean", "std"} else zero
         squares = jnp.sum(jnp.square(x), axis=axes) if need & {"std", "rms", "norm"} else zero
-        mean, square = total / size, squares / size
+        mean, square = total / denominator, squares / denominator
         var = jnp.maximum(square - mean * mean, jnp.zeros((), x.dtype))
         ok = jnp.isfinite(absmax) & jnp.isfinite(total) & jnp.isfinite(squares)
         if need & {"std", "rms", "norm"}:  # squares of tiny values lose their digits
@@ -80,11 +102,11 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
             e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, jnp.ones_like(absmax)))[1]
             scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
             y = x * lane_wise(scale)
-            m = jnp.sum(y, axis=axes) / size
-            d = y - lane_wise(m)
+            m = jnp.sum(y, axis=axes) / denominator
+            d = kept_only(y - lane_wise(m), 0)
             # around the computed mean, corrected for its rounding error
-            drift = jnp.sum(d, axis=axes) / size
-            var = jnp.sum(jnp.square(d), axis=axes) / size - jnp.square(drift)
+            drift = jnp.sum(d, axis=axes) / denominator
+            var = jnp.sum(jnp.square(d), axis=axes) / denominator - jnp.square(drift)
             var = jnp.maximum(var, jnp.zeros((), x.dtype))
             if inexact:
                 count = jnp.sum(~jnp.isfinite(x), axis=axes, dtype=jnp.int32)
@@ -101,10 +123,10 @@ def _compute(x: Array, *, stats: tuple[str, ...], lanes: int | None = None) -> l
         mean, std, rms, nonfinite = lax.cond(jnp.all(ok), quick, careful)
         norm = rms * jnp.sqrt(size)
         out.update(mean=mean, std=std, rms=rms, norm=norm, nonfinite=nonfinite)
-    if "min" in need:
-        out["min"] = jnp.min(x, axis=axes)
-    if "max" in need:
-        out["max"] = jnp.max(x, axis=axes)
+    for name, reduce, empty in (("min", jnp.min, jnp.inf), ("max", jnp.max, -jnp.inf)):
+        if name in need:
+            value = reduce(kept_only(full, empty), axis=axes)
+            out[name] = value if mask is None else jnp.where(size > 0, value, zero)
     return [out[name] for name in stats]
 
 
@@ -148,6 +170,11 @@ def path_name(path: Sequence[Any]) -> str:
 #   runs): its batching rule moves the batch axis in front and counts it as a lane, so each
 #   lane gets the statistics it would have alone (`vmap(spool(f))(xs)[i] == spool(f)(xs[i])`).
 #
+# An optional second operand masks the elements (`masked`): a cond whose predicate a vmap
+# batches runs its branches for every lane (`_masking.py`), and the statistics are over the
+# lanes that take the branch only, as each event is. It is a mask of the array's leading
+# axes; batching keeps it aligned with them.
+#
 # No derivative: the statistics are logged, not differentiated. Lowered behind an
 # optimization barrier: XLA would otherwise share the statistics' arithmetic with the model's
 # (an `x*x` with a GELU's derivative) and keep that shared array alive until the backward
@@ -156,7 +183,7 @@ stats_p = _compat.Primitive("eqx_logs.stats")
 stats_p.multiple_results = True
 stats_p.def_impl(_compute)
 stats_p.def_abstract_eval(
-    lambda aval, *, stats, lanes: [
+    lambda aval, *mask, stats, lanes: [
         _compat.ShapedArray(
             aval.shape[: lanes or 0],
             jnp.int32 if name == "nonfinite" else _float_dtype(aval.dtype),
@@ -167,18 +194,40 @@ stats_p.def_abstract_eval(
 _compat.def_no_derivative(stats_p)
 
 
+def _mask_at(mask: Array, mask_dim: int | None, dim: int) -> Array:
+    """`mask`, batched along `mask_dim` (None: not batched), as a mask of the leading axes
+    of an array batched along `dim`: its batch axis at `dim` (of size 1 if not batched)."""
+    if mask_dim is None:
+        return mask if mask.ndim <= dim else jnp.expand_dims(mask, dim)
+    mask = jnp.moveaxis(mask, mask_dim, 0)
+    mask = jnp.reshape(mask, mask.shape + (1,) * max(dim + 1 - mask.ndim, 0))
+    return jnp.moveaxis(mask, 0, dim)
+
+
 def _batch(args, dims, *, stats, lanes):
-    (x,), (d,) = args, dims
+    (x, *mask), (d, *mask_dims) = args, dims
     if lanes is None:  # a vmap inside the spool: over the batch too
-        return stats_p.bind(x, stats=stats, lanes=None), [None] * len(stats)
-    x = jnp.moveaxis(x, d, 0)  # a vmap outside it: one more lane, in front
-    return stats_p.bind(x, stats=stats, lanes=lanes + 1), [0] * len(stats)
+        if d is None:  # the same array in every lane: its statistics, if any lane keeps it
+            mask = [jnp.any(m, axis=md) for m, md in zip(mask, mask_dims)]
+        else:
+            mask = [_mask_at(m, md, d) for m, md in zip(mask, mask_dims)]
+        return stats_p.bind(x, *mask, stats=stats, lanes=None), [None] * len(stats)
+    # a vmap outside it: one more lane, in front
+    if d is None:  # only the mask is batched: each lane keeps its own elements of `x`
+        (m,), (md,) = mask, mask_dims
+        x = jnp.broadcast_to(x, (m.shape[md], *x.shape))
+    else:
+        x = jnp.moveaxis(x, d, 0)
+    mask = [_mask_at(m, md, 0) for m, md in zip(mask, mask_dims)]
+    return stats_p.bind(x, *mask, stats=stats, lanes=lanes + 1), [0] * len(stats)
 
 
 _compat.def_batching(stats_p, _batch)
 _compat.def_lowering(
     stats_p,
-    lambda x, *, stats, lanes: _compute(lax.optimization_barrier(x), stats=stats, lanes=lanes),
+    lambda x, *mask, stats, lanes: _compute(
+        lax.optimization_barrier(x), *mask, stats=stats, lanes=lanes
+    ),
 )
 
 
@@ -188,6 +237,20 @@ def per_lane(eqn: _compat.JaxprEqn) -> _compat.JaxprEqn:
     if eqn.params["lanes"] is not None:
         return eqn
     return _compat.with_params(eqn, lanes=0)
+
+
+def masked(eqn: _compat.JaxprEqn, invals: Sequence[Any], mask: Array) -> list[Array]:
+    """Bind `eqn`, a statistics equation, on `invals` with all its elements masked by `mask`
+    too (a scalar boolean: whether the lane takes the branch of a batched cond, or runs the
+    body of a batched while loop): under the `vmap` that batches `mask`, the statistics are
+    over the lanes where it holds (see `stats_p`)."""
+    if jnp.ndim(mask) != 0:
+        raise AssertionError(f"eqx_logs: a statistics mask of shape {jnp.shape(mask)}")
+    x, *old = invals
+    mask = jnp.asarray(mask, bool)
+    if old:  # already masked (a batched cond inside another)
+        mask = jnp.logical_and(old[0], mask)
+    return stats_p.bind(x, mask, **eqn.params)
 
 
 def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
@@ -229,9 +292,10 @@ def log_stats(
 
     The statistics are computed where the values are, on device; only the scalars are logged.
     Each is over the whole leaf: under a `jax.vmap` inside the spool, over all lanes together
-    (one value, not one per lane); under a `jax.vmap` outside it (`jax.vmap(spool(f))`, a
-    batch of independent runs), per lane, as each run alone would have it. A leaf with no
-    elements is an error.
+    (one value, not one per lane), and in a `lax.cond` or `lax.while_loop` whose predicate
+    that vmap batches, over the lanes that take the branch or run the iteration; under a
+    `jax.vmap` outside it (`jax.vmap(spool(f))`, a batch of independent runs), per lane, as
+    each run alone would have it. A leaf with no elements is an error.
 
     **Arguments:**
 

@@ -1,6 +1,8 @@
 """instrument, log_stats, first_nonfinite: against numpy on values threaded out by hand, and
 cotangents from `jax.vjp` by hand."""
 
+from functools import partial
+
 import diffrax
 import equinox as eqx
 import jax
@@ -989,3 +991,262 @@ def test_statistics_export_with_a_symbolic_batch():
                 assert_close(logs[key], want[key], key)
     _, logs = jax.export.export(jax.jit(eqx_logs.spool(jax.vmap(f))))(spec).call(jnp.ones((4, 3)))
     assert_close(logs["x/norm"], [np.sqrt(12.0)])
+
+
+# -- statistics in a cond whose predicate a vmap inside the spool batches ------------------
+#
+# JAX runs every branch for every lane; an untaken branch changes nothing, so a statistic in
+# a branch is over the lanes that take it (one value, in each of those lanes' events).
+
+XS = np.array(
+    [[1.0, 2.0, 0.5], [-5.0, -7.0, 1.0], [3.0, 4.0, -1.0], [0.5, -9.0, 2.0], [2.0, 2.0, 2.0]],
+    np.float32,
+)
+
+
+def _both_branches(x):
+    def positive():
+        eqx_logs.log_stats("s", x, stats=ALL)
+
+    def negative():
+        eqx_logs.log_stats("s", -2 * x, stats=ALL)
+
+    lax.cond(jnp.sum(x) > 0, positive, negative)
+    return jnp.sum(x)
+
+
+def _want_both_branches(xs) -> dict[str, np.ndarray]:
+    """Per lane: the statistics, over the lanes that take the same branch, of what it logs."""
+    xs = np.asarray(xs, np.float64)
+    taken = xs.sum(axis=1) > 0
+    pos, neg = np_stats(xs[taken]), np_stats(-2 * xs[~taken])
+    return {stat: np.where(taken, pos[stat], neg[stat]) for stat in ALL}
+
+
+def _assert_both_branches(logs, xs):
+    for stat, want in _want_both_branches(xs).items():
+        key = f"s/{stat}"
+        np.testing.assert_array_equal(np.asarray(logs.count[key]), [1] * len(xs), key)
+        assert_close(logs[key], [want], key)
+
+
+@fast
+def test_statistics_in_a_batched_cond_are_over_the_lanes_that_take_each_branch():
+    spooled = eqx_logs.spool(jax.vmap(_both_branches))
+    _, logs = spooled(XS)
+    _assert_both_branches(logs, XS)
+    _, jitted = jax.jit(spooled)(XS)
+    for key in logs:
+        assert_close(jitted[key], logs[key], key)
+        np.testing.assert_array_equal(np.asarray(jitted.count[key]), np.asarray(logs.count[key]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_statistics_of_half_precision_in_a_batched_cond(dtype):
+    # computed in float32 (with strict dtype promotion, as the whole suite runs)
+    xs = jnp.asarray(XS, dtype)
+    _, logs = eqx_logs.spool(jax.vmap(_both_branches))(xs)
+    for stat in ALL:
+        assert logs[f"s/{stat}"].dtype == (jnp.int32 if stat == "nonfinite" else jnp.float32)
+    _assert_both_branches(logs, np.asarray(xs, np.float32))
+    _, logs = eqx_logs.spool(lambda x: eqx_logs.log_stats("x", x, stats=("rms",)))(xs)
+    assert_close(logs["x/rms"], [np_stats(np.asarray(xs, np.float32))["rms"]])
+
+
+@fast
+def test_statistics_in_a_batched_cond_in_a_scan_and_a_batched_while_loop():
+    def f(x):
+        def body(c, i):
+            # lanes with x[0] > i: steps 0, 1, 2 in lane 2, none in lane 1
+            lax.cond(
+                x[0] > i,
+                lambda: eqx_logs.log_stats("s", x + i, stats=("mean", "min", "norm")),
+                lambda: None,
+            )
+            return c, None
+
+        lax.scan(body, 0.0, jnp.arange(3.0))
+
+        def loop(c):
+            eqx_logs.log_stats("w", x * c, stats=("mean", "max"))
+            return c + 1.0
+
+        lax.while_loop(lambda c: c < jnp.abs(x[0]), loop, 0.0)  # 1, 5, 3, 1, 2 iterations
+        return jnp.sum(x)
+
+    for spooled in (
+        eqx_logs.spool(jax.vmap(f), reduce=eqx_logs.Stack(capacity=5)),
+        jax.jit(eqx_logs.spool(jax.vmap(f), reduce=eqx_logs.Stack(capacity=5))),
+    ):
+        _, logs = spooled(XS)
+        xs = np.asarray(XS, np.float64)
+        for key, lanes, value in (
+            ("s", lambda i: xs[:, 0] > i, lambda i: xs + i),
+            ("w", lambda i: i < np.abs(xs[:, 0]), lambda i: xs * i),
+        ):
+            steps = range(3) if key == "s" else range(5)
+            stats = ("mean", "min", "norm") if key == "s" else ("mean", "max")
+            for stat in stats:
+                events = [[] for _ in xs]  # per lane, in order
+                for i in steps:
+                    taking = lanes(i)
+                    if taking.any():
+                        want = np_stats(value(i)[taking])[stat]
+                        for lane in np.flatnonzero(taking):
+                            events[lane].append(want)
+                got = np.asarray(logs[f"{key}/{stat}"])
+                counts = np.ravel(logs.count[f"{key}/{stat}"])
+                assert list(counts) == [len(e) for e in events], (key, stat)
+                for lane, want in enumerate(events):
+                    assert_close(got[: len(want), lane], want, f"{key}/{stat} lane {lane}")
+
+
+@fast
+def test_statistics_in_a_batched_cond_with_vmaps_outside_the_spool():
+    # vmap(spool(vmap(f))): each run is spool(vmap(f)) of its batch
+    runs = np.stack([XS, 0.5 - XS[::-1]])
+    spooled = eqx_logs.spool(jax.vmap(_both_branches))
+    _, logs = jax.vmap(spooled)(runs)
+    for r in range(2):
+        _assert_both_branches(_lane(logs, r), runs[r])
+
+    # vmap(spool(f)): each lane is a run of its own, with the branch it takes
+    _, logs = jax.vmap(eqx_logs.spool(_both_branches))(XS)
+    for i, x in enumerate(np.asarray(XS, np.float64)):
+        want = np_stats(x if x.sum() > 0 else -2 * x)
+        for stat in ALL:
+            assert_close(logs[f"s/{stat}"][i], [want[stat]], f"s/{stat} lane {i}")
+
+    # an array the vmaps leave unbatched (a weight): its statistics if any lane takes the branch
+    w = jnp.array([1.0, -3.0, 2.5])
+
+    def g(x, w):
+        lax.cond(
+            jnp.sum(x) > 0, lambda: eqx_logs.log_stats("w", w, stats=("mean", "norm")), lambda: None
+        )
+        return x
+
+    want = np_stats(w, ("mean", "norm"))
+    taken = np.asarray(XS).sum(axis=1) > 0
+    _, inside = eqx_logs.spool(jax.vmap(g, in_axes=(0, None)))(XS, w)
+    _, outside = jax.vmap(eqx_logs.spool(g), in_axes=(0, None))(XS, w)
+    _, both = jax.vmap(eqx_logs.spool(jax.vmap(g, in_axes=(0, None))), in_axes=(0, None))(runs, w)
+    for stat in ("mean", "norm"):
+        key = f"w/{stat}"
+        np.testing.assert_array_equal(np.ravel(inside.count[key]), taken)
+        assert_close(np.ravel(inside[key])[taken], [want[stat]] * taken.sum(), key)
+        np.testing.assert_array_equal(np.ravel(outside.count[key]), taken)
+        assert_close(np.ravel(outside[key])[taken], [want[stat]] * taken.sum(), key)
+        for r in range(2):
+            taken_r = runs[r].sum(axis=1) > 0
+            np.testing.assert_array_equal(np.ravel(both.count[key][r]), taken_r)
+            assert_close(np.ravel(both[key][r])[taken_r], [want[stat]] * taken_r.sum(), key)
+
+
+@fast
+def test_statistics_in_a_batched_cond_no_lane_takes_and_first_nonfinite():
+    def f(x):
+        take = lambda: eqx_logs.log_stats("s", x, stats=("mean", "nonfinite"))  # noqa: E731
+        lax.cond(x[1] > 0, take, lambda: None)  # lanes 0, 2 and 4
+        return jnp.sum(x)
+
+    # no lane takes the branch: as a key with no events
+    _, none = eqx_logs.spool(jax.vmap(f))(-np.abs(XS))
+    _, alone = eqx_logs.spool(f)(-np.abs(XS[0]))
+    for key in ("s/mean", "s/nonfinite"):
+        np.testing.assert_array_equal(np.ravel(none.count[key]), [0] * len(XS))
+        assert int(alone.count[key]) == 0
+        np.testing.assert_array_equal(np.ravel(none[key]), [np.ravel(alone[key])[0]] * len(XS))
+
+    # a NaN in a lane that does not take the branch is in no statistic: nothing to report
+    nan_untaken = XS.copy()
+    nan_untaken[1, 0] = np.nan
+    for spooled in (
+        eqx_logs.spool(jax.vmap(f), first_nonfinite=True),
+        jax.vmap(eqx_logs.spool(f, first_nonfinite=True)),
+    ):
+        _, logs = spooled(nan_untaken)
+        reports = logs.first_nonfinite
+        assert reports is None or reports == [None] * len(XS), reports
+        taken = [0, 2, 4]
+        np.testing.assert_array_equal(np.ravel(logs.count["s/mean"]), [1, 0, 1, 0, 1])
+        np.testing.assert_array_equal(np.ravel(logs["s/nonfinite"])[taken], [0, 0, 0])
+    _, logs = eqx_logs.spool(jax.vmap(f), first_nonfinite=True)(nan_untaken)
+    assert_close(np.ravel(logs["s/mean"])[taken], [XS[taken].mean()] * 3)
+
+    # in a lane that takes it: the statistic over the lanes that take it is NaN, in each of
+    # their events; the report names the first
+    nan_taken = XS.copy()
+    nan_taken[2, 0] = np.nan
+    _, logs = eqx_logs.spool(jax.vmap(f), first_nonfinite=True)(nan_taken)
+    np.testing.assert_array_equal(np.ravel(logs["s/nonfinite"])[taken], [1, 1, 1])
+    assert logs.first_nonfinite.key == "s/mean"
+    assert logs.first_nonfinite.lane == 0 and logs.first_nonfinite.event == 0
+
+
+@fast
+def test_instrument_in_a_batched_cond_is_over_the_lanes_that_take_it():
+    model = eqx_logs.instrument(mlp(), stats=("mean", "rms", "min", "max"))
+
+    def f(model, x):
+        return lax.cond(jnp.sum(x) > 0, lambda: model(x), lambda: jnp.zeros(2))
+
+    taken = XS.sum(axis=1) > 0
+    acts = jax.vmap(lambda x: hand_activations(model, x))(XS[taken])
+    for spooled in (eqx_logs.spool, lambda f: eqx.filter_jit(eqx_logs.spool(f))):
+        _, logs = spooled(jax.vmap(f, in_axes=(None, 0)))(model, XS)
+        assert len(logs) == 12  # 3 layers x 4 statistics
+        for layer, act in enumerate(acts):
+            want = np_stats(act)
+            for stat in ("mean", "rms", "min", "max"):
+                key = f"layers[{layer}]/{stat}"
+                np.testing.assert_array_equal(np.ravel(logs.count[key]), taken, key)
+                assert_close(np.ravel(logs[key])[taken], [want[stat]] * taken.sum(), key)
+
+
+def test_masked_statistics_batching_keeps_the_mask_with_its_axes():
+    """`stats_p`'s mask operand, batched along any axis, with the array batched along any
+    axis, or not at all: inside the spool (`lanes=None`) and outside it (`lanes=0`)."""
+    from eqx_logs._stats import stats_p
+
+    def bind(x, mask, lanes):
+        return jnp.stack(
+            [s.astype(jnp.float32) for s in stats_p.bind(x, mask, stats=ALL, lanes=lanes)]
+        )
+
+    def want(x, mask=None):  # the statistics of the kept elements; of none: 0
+        x = np.asarray(x, np.float64) if mask is None else np.asarray(x, np.float64)[mask]
+        return np.zeros(len(ALL)) if x.size == 0 else np.array(list(np_stats(x).values()))
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 3, 5)).astype(np.float32)  # 4 lanes of (3, 5)
+    lanes = np.array([True, False, True, False])
+    rows = rng.random((4, 3)) > 0.4  # per lane and row
+    for d in range(3):
+        xd = np.moveaxis(x, 0, d)
+        for mask in (lanes, rows):
+            inside = jax.vmap(partial(bind, lanes=None), in_axes=(d, 0), out_axes=None)(xd, mask)
+            assert_close(inside, want(x, mask), f"inside, axis {d}")
+        outside = jax.vmap(partial(bind, lanes=0), in_axes=(d, 0))(xd, rows)
+        for i in range(4):
+            assert_close(outside[i], want(x[i], rows[i]), f"outside, axis {d}, lane {i}")
+        # two vmaps: over rows (at `d_row`), then over lanes, the mask batched by the second
+        for d_row in range(2):
+
+            def over_rows(x, m, lanes, d_row=d_row):
+                rows_first = x if d_row == 0 else x.T
+                out_axes = None if lanes is None else 0
+                fun = partial(bind, mask=m, lanes=lanes)
+                return jax.vmap(fun, in_axes=d_row, out_axes=out_axes)(rows_first)
+
+            got = jax.vmap(partial(over_rows, lanes=None), in_axes=(d, 0), out_axes=None)(xd, lanes)
+            assert_close(got, want(x, lanes), f"two inside, axes {d}, {d_row}")
+            got = jax.vmap(partial(over_rows, lanes=0), in_axes=(d, 0))(xd, lanes)
+            for i, r in np.ndindex(4, 3):
+                assert_close(got[i, r], want(x[i, r], lanes[i]), f"two outside, {d}, {d_row}")
+    # the array the same in every lane, the mask batched
+    got = jax.vmap(lambda m: bind(x[0], m, None), out_axes=None)(lanes)
+    assert_close(got, want(x[0]))
+    got = jax.vmap(lambda m: bind(x[0], m, 0))(rows)
+    for i in range(4):
+        assert_close(got[i], want(x[0], rows[i]), f"unbatched array, lane {i}")

@@ -1764,12 +1764,6 @@ def _stats_in_batched_cond(x):
     return x
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="eqx_logs bug (or unspecified semantics): under spool(vmap(f)), a statistic logged "
-    "in a cond whose predicate is batched is taken over every lane, the lanes that do not "
-    "take the branch included; once their values are left out, remove this marker",
-)
 def test_statistics_in_a_batched_cond_are_over_the_lanes_that_take_it():
     """spool(vmap(f)): a statistic is over the whole batch, and an untaken branch changes
     nothing, so a statistic in a branch is over the lanes that take it (the programs of
