@@ -30,6 +30,7 @@ import re
 import statistics
 import sys
 import time
+import timeit
 from collections.abc import Callable
 
 import jax
@@ -410,6 +411,51 @@ def bench_unspooled(summary: Summary, repeats: int, calls: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------
+# 3. Cheap calls: a jitted spool of a tiny function, and a LogDict's unflattening
+# ----------------------------------------------------------------------------------------
+
+SPOOL_CALL_TARGET = 1.3
+UNFLATTEN_TARGET_US = 1.0
+
+
+def bench_cheap_calls(summary: Summary, repeats: int, calls: int) -> None:
+    print("\n[3] jax.jit(spool(f)) of a tiny function, vs jax.jit(f); LogDict unflattening")
+    x = jnp.arange(8, dtype=jnp.float32)
+    free = jax.jit(make_tiny())
+    spooled = jax.jit(eqx_logs.spool(make_tiny(log=True)))
+    by_hand = jax.jit(lambda x: (make_tiny()(x), {"x": x}))  # the value returned by hand
+    _, logs = spooled(x)
+    np.testing.assert_array_equal(logs["x"], x[None])  # the same work
+    variants = {
+        "jit(f)": dispatch_loop(free, x, calls),
+        "jit(spool(f))": dispatch_loop(spooled, x, calls),
+        "jit(f) returning the value": dispatch_loop(by_hand, x, calls),
+    }
+    times = interleaved(variants, repeats)
+    per_call = {k: [t / calls for t in v] for k, v in times.items()}
+    med = {k: statistics.median(v) for k, v in per_call.items()}
+    for name, t in med.items():
+        print(f"    {name:<30} {fmt_time(t):>10} per call")
+    ratio = paired_ratio(per_call["jit(spool(f))"], per_call["jit(f)"])
+    summary.add(
+        f"cheap: jit(spool(f)) / jit(f) ({fmt_time(med['jit(f)'])} f)",
+        f"{ratio:.2f}x",
+        f"<= {SPOOL_CALL_TARGET}x",
+        ratio <= SPOOL_CALL_TARGET,
+    )
+    hand = paired_ratio(per_call["jit(f) returning the value"], per_call["jit(f)"])
+    summary.add("context: jit(f) returning the value by hand / jit(f)", f"{hand:.2f}x", "-", None)
+    leaves, treedef = jax.tree.flatten(logs)
+    n = 20000
+    unflatten = min(
+        timeit.repeat(lambda: treedef.unflatten(leaves), number=n, repeat=max(repeats, 5))
+    )
+    us = unflatten / n * 1e6
+    print(f"    LogDict unflatten ({len(leaves)} leaves): {us:.2f} us")
+    summary.add("cheap: LogDict unflatten", f"{us:.2f} us", f"< {UNFLATTEN_TARGET_US} us", us < 1.0)
+
+
+# ----------------------------------------------------------------------------------------
 
 
 def main() -> int:
@@ -437,6 +483,7 @@ def main() -> int:
     summary = Summary()
     bench_training(summary, train_repeats)
     bench_unspooled(summary, dispatch_repeats, calls)
+    bench_cheap_calls(summary, dispatch_repeats, calls)
     summary.print()
     print(f"total time {time.perf_counter() - t_start:.1f} s")
     if summary.hard_failures:

@@ -104,6 +104,7 @@ result = {
 spool_logger = JsonlLogger(f"{out}/spool.jsonl")
 jax.jit(spool_logger.spool(train, spool_logger.init(0), across="d", reduce="mean"))(w, xs, ys)
 spool_logger.spool(train, spool_logger.init(1))(w, xs, ys)
+spool_logger.jit(train, spool_logger.init(2))(w, xs, ys)  # the per-step loop's form
 tap_logger = JsonlLogger(f"{out}/tap.jsonl")
 jax.jit(tap_logger.tap(train, tap_logger.init()))(w, xs, ys)
 every = JsonlLogger(f"{out}/every.jsonl", every_process=True)

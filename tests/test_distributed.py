@@ -91,6 +91,9 @@ def test_spooled_logs_are_written_once_by_process_0(run):
     stacked = [r for r in records if r["run"] == 1 and r["key"] == "grad_norm"]  # eager
     assert len(stacked) == STEPS  # one record per step, each with the 4 devices' values
     np.testing.assert_allclose([r["value"] for r in stacked], want["want_grad_norm"], rtol=1e-5)
+    # logger.jit: its logs are arrays of both processes' devices; process 0 writes them once
+    jitted = [{k: v for k, v in r.items() if k != "run"} for r in records if r["run"] == 2]
+    assert jitted == [{k: v for k, v in r.items() if k != "run"} for r in records if r["run"] == 1]
 
 
 def test_every_process_writes_its_own_copy(run):

@@ -330,6 +330,8 @@ class Writer:
     def check(self) -> None:
         """Issue the warnings the thread kept (`notify`); raise the writer's error, if its
         thread has hit one."""
+        if not self._notices and self._error is None:  # (called every step: no lock)
+            return
         with self._changed:
             notices, self._notices = self._notices, []
         for message, category in notices:
