@@ -15,6 +15,8 @@ _live: "weakref.WeakSet[Writer]" = weakref.WeakSet()
 
 # What may wait in a writer's queue before `on_full` applies.
 MAX_PENDING_BYTES = 256 * 2**20
+# A write of arrays waits up to LINGER seconds for BATCH of them, fetched together.
+LINGER, BATCH = 0.02, 64
 # Seconds without progress after which a busy backend counts as stalled.
 STALL_TIMEOUT = 60.0
 ON_FULL = ("block", "drop")
@@ -141,6 +143,7 @@ class Writer:
         self._counts = collections.Counter()  # this report's WriteReport fields
         self._warned_full = False
         self._waiting = False  # the thread waits in an item's `ready` (for the device)
+        self._hurry = 0  # callers waiting for everything to be written: no lingering
         self._notices: list[tuple[str, type[Warning]]] = []
         _live.add(self)
 
@@ -253,6 +256,10 @@ class Writer:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._items or self._closed)
+                if self._items and isinstance(self._items[0][0], _Prepared):
+                    # arrays to fetch: let a few more steps' queue up behind them, to fetch
+                    # them together, unless someone waits for them
+                    self._changed.wait_for(self._enough, LINGER)
                 if not self._items:  # closed and idle: a later submit starts a new thread
                     if self._thread is threading.current_thread():
                         self._thread = None
@@ -306,6 +313,9 @@ class Writer:
                     stacklevel=2,
                 )
 
+    def _enough(self) -> bool:
+        return len(self._items) >= BATCH or self._hurry > 0 or self._closed
+
     def _ready(self, ready: Callable[[list[Any]], list[Any]], slots: list["_Slot"]) -> None:
         """Fill `slots` with `ready` of their items, outside the stall clock, which starts
         anew when it returns. An error is the first slot's (the others are tried again)."""
@@ -353,15 +363,24 @@ class Writer:
         everything was written."""
         with self._changed:
             target = self._submitted
-            while self._done < target:
-                if self.stall_timeout is None or self._waiting:  # (for the device)
-                    self._changed.wait()
-                    continue
-                left = self._progress + self.stall_timeout - time.monotonic()
-                if left <= 0:
-                    return False
-                self._changed.wait(left)
-            return True
+            self._hurry += 1
+            self._changed.notify_all()
+            try:
+                return self._wait_for(target)
+            finally:
+                self._hurry -= 1
+
+    def _wait_for(self, target: int) -> bool:
+        """(`_wait`, under the lock.)"""
+        while self._done < target:
+            if self.stall_timeout is None or self._waiting:  # (for the device)
+                self._changed.wait()
+                continue
+            left = self._progress + self.stall_timeout - time.monotonic()
+            if left <= 0:
+                return False
+            self._changed.wait(left)
+        return True
 
     def _gave_up(self, during: str, *, abandon: bool) -> str | None:
         """`flush` or `close` stopped waiting for a stalled backend: mark it stalled and, when
