@@ -266,6 +266,8 @@ class AbstractLogger(eqx.Module):
     """Writes logs to a backend. Loggers are Equinox modules.
 
     - `state = logger.init(key)` gives a [`eqx_logs.loggers.LoggerState`][] (the run index);
+    - `logger.jit(step, state)` compiles a training step for the loop that calls one step per
+        Python iteration, its logs written without a host callback in the step;
     - `logger.spool(fun, state)(...)` runs `fun`, spools its logs and writes them;
     - `logger.tap(fun, state)(...)` writes each event as it happens;
     - `logger.write(logs)` writes a `LogDict` you spooled yourself;
@@ -275,7 +277,8 @@ class AbstractLogger(eqx.Module):
     Both wrappers work inside `jax.jit`, `eqx.filter_jit` and `jax.vmap`: under `vmap` over
     states (`jax.vmap(logger.init)(jnp.arange(4))`) each lane writes to its own run.
 
-    Writing happens on a background thread, in order. If the backend raises there, the error is
+    Writing happens on a background thread, in order; logs of arrays are handed to it as they
+    are, and it fetches them from the device. If the backend raises there, the error is
     raised (as a `WriterError`) by the next call into the logger: from Python calls directly,
     and from inside compiled code as the `JaxRuntimeError` of the next host callback. Writes
     submitted after the failure are skipped and counted in the message. (In a
