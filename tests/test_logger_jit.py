@@ -338,3 +338,54 @@ def test_memory_stays_flat_over_many_steps(tmp_path):
         assert len(jax.live_arrays()) <= live + 2
         assert logger._writer.pending_bytes == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 500, 1000, 1500]
+
+
+def test_packed_logs_of_every_dtype_and_size_come_back_whole(tmp_path):
+    """`logger.jit` packs small leaves into one buffer per dtype: every dtype, a value too
+    large to pack, steps and counts come back as the unpacked LogDict writes them."""
+    from eqx_logs.loggers import ArrayLogger, read_arrays
+
+    def step(x, i):
+        eqx_logs.log(
+            {
+                "f32": x,
+                "bf16": x.astype(jnp.bfloat16),
+                "f16": x.astype(jnp.float16),
+                "i8": (x * 10).astype(jnp.int8),
+                "u8": (x * 10).astype(jnp.uint8),
+                "i32": i,
+                "bool": x > 0.5,
+                "c64": jax.lax.complex(x, -x),
+                "big": jnp.tile(x, 700),  # 2,100 elements: travels as it is
+                "tree": {"a": x[0], "b": (i, x[1:])},
+            },
+            step=i,
+        )
+        eqx_logs.log("mean", jnp.sum(x), step=i, reduce="mean")
+        return x + jnp.float32(0.25)
+
+    x0 = jnp.array([0.0, 0.5, 1.0], jnp.float32)
+    with ArrayLogger(tmp_path / "jit") as logger:
+        jitted = logger.jit(step, logger.init(), interval=2)
+        x = x0
+        for i in range(5):
+            x = jitted(x, jnp.int32(i))
+    spooled = jax.jit(eqx_logs.spool(step, interval=2))
+    with ArrayLogger(tmp_path / "write") as logger:
+        x = x0
+        for i in range(5):
+            x, logs = spooled(x, jnp.int32(i))
+            logger.write(logs)
+    got, want = read_arrays(tmp_path / "jit"), read_arrays(tmp_path / "write")
+    assert sorted(got) == sorted(want) and len(got) == 11
+    for key in want:
+        assert [int(e["step/step"]) for e in got[key]] == [0, 2, 4], key
+        for a, b in zip(got[key], want[key]):
+            assert sorted(a) == sorted(b), key
+            for name in a:
+                u, v = np.asarray(a[name]), np.asarray(b[name])
+                assert u.dtype == v.dtype and u.shape == v.shape, (key, name)
+                np.testing.assert_array_equal(u, v)
+    # against numpy: the values at step 4
+    np.testing.assert_array_equal(got["big"][2]["value"], np.tile(np.float32(x0 + 1.0), 700))
+    np.testing.assert_array_equal(got["i8"][2]["value"], ((x0 + 1.0) * 10).astype(np.int8))

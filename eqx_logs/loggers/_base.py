@@ -21,6 +21,7 @@ from .._logdict import LogDict
 from .._policy import Policy, with_options
 from .._spool import spool as _spool, update_wrapper
 from .._tap import tap_with
+from ._packed import Packed, pack, stand_in, unpack
 from ._writer import ON_FULL, STALL_TIMEOUT, Writer
 
 _T = TypeVar("_T")
@@ -483,8 +484,9 @@ class AbstractLogger(eqx.Module):
             across=across,
             first_nonfinite=first_nonfinite,
         )
-        jitted = eqx.filter_jit(_spool(fun, policy=policy, keep=keep), donate=donate)
-        return update_wrapper(_LoggerJitted(self, jitted, state))
+        spooled = _spool(fun, policy=policy, keep=keep)
+        jitted = eqx.filter_jit(_Packing(spooled), donate=donate)
+        return update_wrapper(_LoggerJitted(self, spooled, jitted, state))
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
@@ -554,27 +556,41 @@ class AbstractLogger(eqx.Module):
             writer.write_logs = functools.partial(type(self)._write_logs, self)
         return writer
 
-    def _submit_logs(self, state: LoggerState, logs: LogDict, size: int | None = None) -> None:
-        """Hand `logs` (arrays, on the device or not; `size` bytes in all) to the writer
-        thread, which fetches them (`_fetch`) and writes them (`_write_logs`). Values the
-        backend cannot store are named here, from their types and shapes."""
+    def _submit_logs(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
+    ) -> None:
+        """Hand `logs` (arrays, on the device or not, or packed by `logger.jit`; `size`
+        bytes in all) to the writer thread, which fetches them (`_fetch`) and writes them
+        (`_write_logs`). Values the backend cannot store are named here, from their types
+        and shapes."""
         cls = type(self)
         writer = cls._started(self)
         rejected = {}
         if cls._unstorable is not AbstractLogger._unstorable:  # a backend that checks
-
-            def row(key: str, leaf: Any) -> np.ndarray:  # a row's leaf, from its type alone
-                shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
-                return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
-
-            leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
-            rejected = cls._rejected(self, leaves)
-            if rejected:
-                logs, size = logs._without(rejected), None
+            if isinstance(logs, Packed):  # the same for every call of a step
+                layout = logs.layout
+                if layout not in writer.memo:
+                    writer.memo[layout] = cls._rejected_logs(self, stand_in(layout))
+                rejected = writer.memo[layout]
+            else:
+                rejected = cls._rejected_logs(self, logs)
+                if rejected:
+                    logs, size = logs._without(rejected), None
         if size is None:
             size = _nbytes(logs)
-        writer.submit(writer.write_logs, (state, logs), size, ready=_fetch)
+        drop = tuple(rejected) if isinstance(logs, Packed) else ()
+        writer.submit(writer.write_logs, (state, logs, drop), size, ready=_fetch)
         _reject(self, rejected)
+
+    def _rejected_logs(self, logs: LogDict) -> dict[str, str]:
+        """`_rejected` of the rows of `logs`, from their leaves' types and shapes alone."""
+
+        def row(key: str, leaf: Any) -> np.ndarray:
+            shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
+            return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
+
+        leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
+        return type(self)._rejected(self, leaves)
 
     def _submit(self, run: int, rows: list[Record]) -> None:
         """Hand records of host values (tap's events) to the writer thread."""
@@ -627,11 +643,16 @@ class AbstractLogger(eqx.Module):
             self._close(handle)
 
 
-def _write(logger: AbstractLogger, logs: LogDict, state: LoggerState | None) -> None:
-    """`logger.write(logs, state)`: see there."""
+def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | None) -> None:
+    """`logger.write(logs, state)`: see there. (`logger.jit` writes its logs packed.)"""
     cls = type(logger)
     cls._check(logger)
     state = cls.init(logger) if state is None else state
+    if isinstance(logs, Packed):
+        if _one_process() or all(x.is_fully_addressable for x in (*logs.buffers, *logs.large)):
+            cls._submit_logs(logger, state, logs, logs.layout.nbytes)
+            return
+        logs = unpack(logs, list(logs.buffers))  # arrays of many processes, as below
     if _compat.tracing() or not (
         _one_process()
         or all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves((state, logs)))
@@ -667,18 +688,30 @@ def _leaves(value: Any) -> list[Any]:
     return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
 
 
-def _fetch(items: list[tuple[LoggerState, LogDict]]) -> list[tuple[np.ndarray, LogDict | None]]:
+def _fetch(
+    items: list[tuple[LoggerState, LogDict | Packed, tuple[str, ...]]],
+) -> list[tuple[np.ndarray, LogDict | None]]:
     """On the writer thread, before the backend's turn: wait for the device, then fetch the
-    run indices and counts of every write queued in a row (one transfer), and the keys that
-    hold events of those that have any (another). `(runs, None)` for a write without events."""
-    runs_counts = to_host([(state.run, logs.count) for state, logs in items])
+    run indices and counts (or small leaves, packed) of every write queued in a row (one
+    transfer), and the keys that hold events of those that have any (another). `(runs, None)`
+    for a write without events. `drop`: keys not to write (a backend cannot store them)."""
+    heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
     keep = {}
-    for i, ((_, logs), (_, count)) in enumerate(zip(items, runs_counts)):
+    for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
+        if isinstance(logs, Packed):
+            logs = unpack(logs, head)
+            logs = logs._without(drop) if drop else logs
+            head = logs.count  # (numpy arrays)
+        count = head
         empty = [key for key in logs if not count[key].any()]  # (numpy arrays)
         if len(empty) < len(logs) or logs._nonfinite is not None:
             keep[i] = logs._without(empty) if empty else logs
     fetched = to_host(keep)
-    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(runs_counts)]
+    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(heads)]
+
+
+def _head(logs: LogDict | Packed) -> Any:
+    return list(logs.buffers) if isinstance(logs, Packed) else logs.count
 
 
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
@@ -707,9 +740,18 @@ class _LoggerSpooled(eqx.Module):
         return out
 
 
+class _Packing(eqx.Module):
+    spooled: Callable
+
+    def __call__(self, *args, **kwargs):
+        out, logs = self.spooled(*args, **kwargs)
+        return out, pack(logs)
+
+
 class _LoggerJitted(eqx.Module):
     logger: AbstractLogger
-    jitted: Callable
+    spooled: Callable
+    jitted: Callable  # `spooled`, its logs packed, in `eqx.filter_jit`
     state: LoggerState
 
     __hash__ = object.__hash__
@@ -717,10 +759,13 @@ class _LoggerJitted(eqx.Module):
 
     @property
     def __wrapped__(self):
-        return self.jitted.__wrapped__
+        return self.spooled.__wrapped__
 
     def __call__(self, *args, **kwargs):
-        out, logs = self.jitted(*args, **kwargs)
+        if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
+            out, logs = self.spooled(*args, **kwargs)
+        else:
+            out, logs = self.jitted(*args, **kwargs)
         _write(self.logger, logs, self.state)
         return out
 

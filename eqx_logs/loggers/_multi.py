@@ -4,7 +4,6 @@ from typing import Any
 
 import equinox as eqx
 
-from .._logdict import LogDict
 from ._base import AbstractLogger, LoggerState, Record
 from ._writer import Writer, WriterError, WriterWarning
 
@@ -57,7 +56,7 @@ class MultiLogger(AbstractLogger):
     def _submit(self, run: int, rows: list[Record]) -> None:
         self._each("_submit", run, rows)  # a key one logger rejects still reaches the others
 
-    def _submit_logs(self, state: LoggerState, logs: LogDict, size: int | None = None) -> None:
+    def _submit_logs(self, state: LoggerState, logs: Any, size: int | None = None) -> None:
         self._each("_submit_logs", state, logs, size)  # each fetches on its own thread
 
     def _check(self) -> None:

@@ -126,6 +126,7 @@ class Writer:
         self.stall_timeout = stall_timeout
         self.finish: Callable[[], None] | None = None  # set by the owner: closes its runs
         self.write_logs: Callable[[Any], None] | None = None  # set by the owner
+        self.memo: dict[Any, Any] = {}  # the owner's, for what it works out once
         self.handles: dict[int, Any] = {}  # per-run backend state, used on the thread only
         self._changed = threading.Condition()  # guards everything below
         self._items: collections.deque = collections.deque()

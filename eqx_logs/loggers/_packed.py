@@ -1,0 +1,87 @@
+"""A LogDict packed for the trip from a compiled step to the writer thread (`logger.jit`).
+
+Every output of a compiled call costs a buffer and its bookkeeping, on the device and in
+Python, each call: a LogDict of three keys has a dozen (values, counts, rows, steps). Packed,
+its small leaves travel as one buffer per dtype, concatenated on the device, and the writer
+thread cuts them apart again in numpy; large leaves travel as they are (copying them into a
+buffer would cost more than their output does).
+"""
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._logdict import LogDict
+
+# Leaves of at most this many elements are packed.
+SMALL = 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each leaf of a packed LogDict is: static, one per compiled step."""
+
+    treedef: Any
+    # per leaf: (buffer index, offset, shape) for packed leaves, (-1, index in `large`, shape)
+    places: tuple[tuple[int, int, tuple[int, ...]], ...]
+    dtypes: tuple[np.dtype, ...]
+    nbytes: int
+
+
+class Packed(eqx.Module):
+    """A LogDict's leaves: `buffers` (one per dtype of its small leaves) and `large`."""
+
+    buffers: tuple[jax.Array, ...]
+    large: tuple[jax.Array, ...]
+    layout: Layout = eqx.field(static=True)
+
+
+def _packable(x: Any) -> bool:
+    dtype = jnp.result_type(x)
+    return math.prod(np.shape(x)) <= SMALL and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+def pack(logs: LogDict) -> Packed:
+    """`logs` packed, inside the compiled step."""
+    leaves, treedef = jax.tree.flatten(logs)
+    groups: dict[Any, list[Any]] = {}
+    large, places, dtypes, nbytes = [], [], [], 0
+    for leaf in leaves:
+        dtype, shape = jnp.result_type(leaf), tuple(np.shape(leaf))
+        dtypes.append(np.dtype(dtype))
+        nbytes += math.prod(shape) * np.dtype(dtype).itemsize
+        if _packable(leaf):
+            group = groups.setdefault(np.dtype(dtype), [])
+            offset = sum(math.prod(np.shape(x)) for x in group)
+            places.append((list(groups).index(np.dtype(dtype)), offset, shape))
+            group.append(jnp.ravel(jnp.asarray(leaf, dtype)))
+        else:
+            places.append((-1, len(large), shape))
+            large.append(leaf)
+    buffers = tuple(jnp.concatenate(group) for group in groups.values())
+    layout = Layout(treedef, tuple(places), tuple(dtypes), nbytes)
+    return Packed(buffers, tuple(large), layout)
+
+
+def stand_in(layout: Layout) -> LogDict:
+    """A LogDict of the layout's shapes and dtypes, its values zeros (views of one zero)."""
+    leaves = [
+        np.broadcast_to(np.zeros((), dtype), shape)
+        for (_, _, shape), dtype in zip(layout.places, layout.dtypes)
+    ]
+    return jax.tree.unflatten(layout.treedef, leaves)
+
+
+def unpack(packed: Packed, buffers: list[np.ndarray]) -> LogDict:
+    """The LogDict of `packed`, its small leaves cut from `buffers` (on the host), its large
+    ones as they are."""
+    leaves = [
+        packed.large[at] if index < 0 else buffers[index][at : at + math.prod(shape)].reshape(shape)
+        for index, at, shape in packed.layout.places
+    ]
+    return jax.tree.unflatten(packed.layout.treedef, leaves)
