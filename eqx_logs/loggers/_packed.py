@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _compat
 from .._logdict import LogDict
 
 # Leaves of at most this many elements are packed.
@@ -42,8 +43,13 @@ class Packed(eqx.Module):
 
 
 def _packable(x: Any) -> bool:
-    dtype = jnp.result_type(x)
-    return math.prod(np.shape(x)) <= SMALL and not jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+    """Small, of a plain dtype (not a PRNG key), and not sharded over Explicit mesh axes
+    (which a reshape cannot flatten without naming a sharding)."""
+    return (
+        math.prod(np.shape(x)) <= SMALL
+        and not jax.dtypes.issubdtype(jnp.result_type(x), jax.dtypes.extended)
+        and _compat.explicit_spec(jax.typeof(x)) is None
+    )
 
 
 def pack(logs: LogDict) -> Packed:
