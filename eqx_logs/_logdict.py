@@ -1,6 +1,7 @@
 import dataclasses
+import functools
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -146,6 +147,11 @@ class LogDict(dict):
         return out
 
     def tree_flatten(self):
+        try:  # as unflattened, untouched: the same leaves (Equinox flattens outputs again)
+            aux, children = object.__getattribute__(self, "_packed")
+            return list(children), aux
+        except AttributeError:
+            pass
         keys = tuple(self)
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
         shared = tuple(k for k in keys if k in self._rows_are_counts)
@@ -244,6 +250,36 @@ def _unpack(self: LogDict) -> None:
     self._nonfinite = None
     if arrays is not None:
         self._nonfinite = ({n: children[i] for n, i in arrays}, nonfinite[1])
+    del self._packed  # the parts may change now: `tree_flatten` reads them
+
+
+def _unpacked(method: Callable) -> Callable:
+    """A dict method that changes a LogDict: its parts are unpacked first (`_unpack`)."""
+
+    @functools.wraps(method)
+    def changing(self, *args, **kwargs):
+        try:
+            object.__getattribute__(self, "_packed")
+        except AttributeError:
+            pass
+        else:
+            _unpack(self)
+        return method(self, *args, **kwargs)
+
+    return changing
+
+
+for _name in (
+    "__setitem__",
+    "__delitem__",
+    "__ior__",
+    "clear",
+    "pop",
+    "popitem",
+    "setdefault",
+    "update",
+):
+    setattr(LogDict, _name, _unpacked(getattr(dict, _name)))
 
 
 def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | None | list":

@@ -11,7 +11,6 @@ import dataclasses
 import math
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,12 +33,23 @@ class Layout:
     nbytes: int
 
 
-class Packed(eqx.Module):
-    """A LogDict's leaves: `buffers` (one per dtype of its small leaves) and `large`."""
+@jax.tree_util.register_pytree_node_class
+class Packed:
+    """A LogDict's leaves: `buffers` (one per dtype of its small leaves) and `large`; its
+    `layout` is static. (A plain pytree, not an Equinox module: it is read every step, and
+    each attribute of a module costs a Python-level lookup.)"""
 
-    buffers: tuple[jax.Array, ...]
-    large: tuple[jax.Array, ...]
-    layout: Layout = eqx.field(static=True)
+    __slots__ = ("buffers", "large", "layout")
+
+    def __init__(self, buffers: tuple[Any, ...], large: tuple[Any, ...], layout: Layout):
+        self.buffers, self.large, self.layout = buffers, large, layout
+
+    def tree_flatten(self) -> tuple[tuple[Any, ...], Layout]:
+        return (self.buffers, self.large), self.layout
+
+    @classmethod
+    def tree_unflatten(cls, layout: Layout, children: Any) -> "Packed":
+        return cls(*children, layout)
 
 
 def _packable(x: Any) -> bool:

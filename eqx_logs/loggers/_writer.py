@@ -251,7 +251,8 @@ class Writer:
         self._items.append((write, item, size, always))
         self._pending_bytes += size
         self._submitted += 1
-        self._changed.notify_all()
+        if len(self._items) in (1, BATCH) or always:  # the thread waits for one, or a batch
+            self._changed.notify_all()
 
     def _loop(self) -> None:
         while True:
