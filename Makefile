@@ -46,6 +46,7 @@ test312: .venv312/.installed
 	.venv312/bin/python -m pytest -q $(ORACLE_WORKERS) $(ORACLES)
 
 bench: .venv/.installed
+	.venv/bin/pip install -q -e '.[bench]'
 	.venv/bin/python benchmarks/bench_core.py
 	.venv/bin/python benchmarks/bench_reductions.py
 	.venv/bin/python benchmarks/bench_tap.py
@@ -54,6 +55,8 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_compile.py
 	.venv/bin/python benchmarks/bench_devices.py
 	.venv/bin/python benchmarks/bench_instrument.py
+	.venv/bin/python benchmarks/bench_loop.py --memory
+	.venv/bin/python benchmarks/bench_overhead.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs hydra_plugins tests examples benchmarks docs
