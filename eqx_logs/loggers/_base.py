@@ -134,6 +134,8 @@ def to_python(x: Any) -> Any:
         if isinstance(item, complex):
             return [to_python(item.real), to_python(item.imag)]
         return item if not isinstance(item, float) or math.isfinite(item) else str(item)
+    if arr.dtype.kind in "biu" or (arr.dtype.kind == "f" and np.isfinite(arr).all()):
+        return arr.tolist()  # (in C: an element at a time in Python costs 100x as much)
     return [to_python(v) for v in arr]
 
 

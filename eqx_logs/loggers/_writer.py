@@ -437,11 +437,17 @@ class Writer:
         if self._thread is not None and self.finish is not None:
             finish = self.finish
             self._put(lambda _: finish(), None, 0, always=True)
-        if not self._wait() and (message := self._gave_up("close", abandon=True)):
+        written = self._wait()
+        if not written and (message := self._gave_up("close", abandon=True)):
             warnings.warn(message, WriterWarning, stacklevel=2)
         with self._changed:
             self._closed = True
             self._changed.notify_all()
+            thread = self._thread
+        if written and thread is not None and thread is not threading.current_thread():
+            # an idle thread ends now: none is left inside JAX (fetching arrays) when the
+            # interpreter exits, which jaxlib may abort on
+            thread.join(timeout=10)
         self._report()
         self.check()
 
