@@ -445,6 +445,7 @@ def bench_cheap_calls(summary: Summary, repeats: int, calls: int) -> None:
     )
     hand = paired_ratio(per_call["jit(f) returning the value"], per_call["jit(f)"])
     summary.add("context: jit(f) returning the value by hand / jit(f)", f"{hand:.2f}x", "-", None)
+    bench_small_solve(summary, repeats, calls)
     leaves, treedef = jax.tree.flatten(logs)
     n = 20000
     unflatten = min(
@@ -453,6 +454,48 @@ def bench_cheap_calls(summary: Summary, repeats: int, calls: int) -> None:
     us = unflatten / n * 1e6
     print(f"    LogDict unflatten ({len(leaves)} leaves): {us:.2f} us")
     summary.add("cheap: LogDict unflatten", f"{us:.2f} us", f"< {UNFLATTEN_TARGET_US} us", us < 1.0)
+
+
+def bench_small_solve(summary: Summary, repeats: int, calls: int) -> None:
+    """A 16-step diffrax solve of a few microseconds, its vector field logging the mean of
+    the state (`reduce="mean"`), against the same solve without the log."""
+    try:
+        import diffrax
+    except ImportError:  # a test dependency
+        print("    (diffrax is not installed: no small-solve row)")
+        return
+
+    def solve(y0, log=True):
+        def field(t, y, args):
+            if log:
+                eqx_logs.log("y", jnp.mean(y))
+            return -y
+
+        term, solver = diffrax.ODETerm(field), diffrax.Euler()
+        sol = diffrax.diffeqsolve(term, solver, 0.0, 1.0, 1 / 16, y0)
+        return sol.ys[-1]
+
+    y0 = jnp.ones(4, jnp.float32)
+    plain = jax.jit(lambda y: solve(y, log=False))
+    spooled = jax.jit(eqx_logs.spool(solve, reduce="mean"))
+    _, logs = spooled(y0)
+    assert int(logs.count["y"]) == 16  # every evaluation of the field, once
+    times = interleaved(
+        {
+            "plain": dispatch_loop(plain, y0, calls // 4),
+            "spool": dispatch_loop(spooled, y0, calls // 4),
+        },
+        repeats,
+    )
+    ratio = paired_ratio(times["spool"], times["plain"])
+    per_call = statistics.median(times["plain"]) / (calls // 4)
+    print(f"    16-step diffrax solve: plain {fmt_time(per_call)}, spool {ratio:.2f}x")
+    summary.add(
+        f"cheap: jit(spool(16-step diffrax solve)) / plain ({fmt_time(per_call)})",
+        f"{ratio:.2f}x",
+        f"<= {SPOOL_CALL_TARGET}x",
+        ratio <= SPOOL_CALL_TARGET,
+    )
 
 
 # ----------------------------------------------------------------------------------------
