@@ -44,6 +44,48 @@ def test_quickstart_example():
     assert "500 events" in out
 
 
+def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_path):
+    """examples/step_loop.py (`logger.jit` in a per-step loop): the file holds steps 0, 100,
+    ..., 900, with the losses of the same loop run without logging, here."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from eqx_logs.loggers import read_jsonl
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "step_loop.py"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "10 losses, steps 0..900" in out.stdout
+    rows = read_jsonl(tmp_path / "run.jsonl")
+    spec = importlib.util.spec_from_file_location("step_loop", ROOT / "examples" / "step_loop.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    kx, km = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (64, 2))
+    y = jnp.sin(x[:, :1]) * jnp.cos(x[:, 1:])
+    model = eqx.nn.MLP(2, 1, 32, 2, key=km)
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    loss = eqx.filter_jit(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))
+    step = eqx.filter_jit(example.train_step)  # its log outside any spool: nothing happens
+    want = {}
+    for i in range(1000):
+        if i % 100 == 0:
+            want[i] = float(loss(model))
+        model, opt_state = step(model, opt_state, x, y, jnp.int32(i), optimizer=optimizer)
+    got = {r["step"]: r["value"] for r in rows if r["key"] == "loss"}
+    assert sorted(got) == sorted(want)
+    np.testing.assert_allclose([got[s] for s in want], list(want.values()), rtol=1e-4)
+    assert [r["step"] for r in rows if r["key"] == "grad_norm"] == list(range(0, 1000, 100))
+
+
 def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> list[str]:
     """Run examples/distributed.py (as `processes` processes joined over 127.0.0.1, each
     writing into `tmp_path/<name><i>`); returns each process's stdout."""
