@@ -698,8 +698,19 @@ def _fetch(
     transfer), and the keys that hold events of those that have any (another). `(runs, None)`
     for a write without events. `drop`: keys not to write (a backend cannot store them)."""
     heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
+    if any(isinstance(logs, Packed) and logs.layout.counts for _, logs, _ in items):
+        # packed writes whose counts hold an event: all of their small leaves now
+        more = {
+            i: list(logs.buffers)
+            for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
+            if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
+        }
+        for i, buffers in to_host(more).items():
+            heads[i] = (heads[i][0], buffers)
     keep = {}
     for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
+        if isinstance(logs, Packed) and not isinstance(head, list):
+            continue  # (the counts alone, none of them an event)
         if isinstance(logs, Packed):
             logs = unpack(logs, head)
             logs = logs._without(drop) if drop else logs
@@ -712,8 +723,19 @@ def _fetch(
     return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(heads)]
 
 
+def _any_event(logs: Packed, counts: np.ndarray) -> bool:
+    """Whether the buffer of a packed write's counts (`_head`) counts an event."""
+    return bool(counts[list(logs.layout.counts[1])].any())
+
+
 def _head(logs: LogDict | Packed) -> Any:
-    return list(logs.buffers) if isinstance(logs, Packed) else logs.count
+    """What `_fetch` reads of every write first: the counts; for a packed write, the buffer
+    that holds them (or every buffer)."""
+    if not isinstance(logs, Packed):
+        return logs.count
+    if logs.layout.counts is not None:
+        return logs.buffers[logs.layout.counts[0]]
+    return list(logs.buffers)
 
 
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function

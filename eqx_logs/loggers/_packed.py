@@ -31,6 +31,9 @@ class Layout:
     places: tuple[tuple[int, int, tuple[int, ...]], ...]
     dtypes: tuple[np.dtype, ...]
     nbytes: int
+    # where the counts are, if all are packed in one buffer and nothing else needs reading
+    # (no `first_nonfinite` report): (buffer index, offsets), else None
+    counts: tuple[int, tuple[int, ...]] | None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -65,6 +68,9 @@ def _packable(x: Any) -> bool:
 def pack(logs: LogDict) -> Packed:
     """`logs` packed, inside the compiled step."""
     leaves, treedef = jax.tree.flatten(logs)
+    children, aux = logs.tree_flatten()
+    first_leaf = np.cumsum([0] + [len(jax.tree.leaves(c)) for c in children])
+    count_leaves = {int(first_leaf[i]) for _, i in aux.plan()[0]}
     groups: dict[Any, list[Any]] = {}
     large, places, dtypes, nbytes = [], [], [], 0
     for leaf in leaves:
@@ -80,7 +86,11 @@ def pack(logs: LogDict) -> Packed:
             places.append((-1, len(large), shape))
             large.append(leaf)
     buffers = tuple(jnp.concatenate(group) for group in groups.values())
-    layout = Layout(treedef, tuple(places), tuple(dtypes), nbytes)
+    at = {places[i][:2] for i in count_leaves}
+    counts = None
+    if len({index for index, _ in at}) == 1 and -1 not in dict(at) and logs._nonfinite is None:
+        counts = (next(iter(at))[0], tuple(sorted(offset for _, offset in at)))
+    layout = Layout(treedef, tuple(places), tuple(dtypes), nbytes, counts)
     return Packed(buffers, tuple(large), layout)
 
 
