@@ -467,9 +467,10 @@ class AbstractLogger(eqx.Module):
         into the logger.
 
         In that loop `logger.jit` writes what `eqx.filter_jit(logger.spool(...))` and
-        `eqx.filter_jit(logger.tap(...))` write, at the cost of the loop without logging:
-        each call is one step, its events are written once it has run. (`logger.tap` is for
-        events streamed out of a long call, a `lax.scan` over many steps, while it runs.)
+        `eqx.filter_jit(logger.tap(...))` write, without the host callback those put in
+        every step: each call is one step, its events are written once it has run.
+        (`logger.tap` is for events streamed out of a long call, a `lax.scan` over many
+        steps, while it runs.)
         Called inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in
         `eqx.filter_jit`, with the host callback that needs.
         """
@@ -698,15 +699,13 @@ def _fetch(
     transfer), and the keys that hold events of those that have any (another). `(runs, None)`
     for a write without events. `drop`: keys not to write (a backend cannot store them)."""
     heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
-    if any(isinstance(logs, Packed) and logs.layout.counts for _, logs, _ in items):
-        # packed writes whose counts hold an event: all of their small leaves now
-        more = {
-            i: list(logs.buffers)
-            for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
-            if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
-        }
-        for i, buffers in to_host(more).items():
-            heads[i] = (heads[i][0], buffers)
+    more = {  # packed writes whose counts hold an event: all of their small leaves now
+        i: list(logs.buffers)
+        for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
+        if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
+    }
+    for i, buffers in to_host(more).items():
+        heads[i] = (heads[i][0], buffers)
     keep = {}
     for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
         if isinstance(logs, Packed) and not isinstance(head, list):
