@@ -258,9 +258,11 @@ class Writer:
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._items or self._closed)
-                if self._items and isinstance(self._items[0][0], _Prepared):
+                head = self._items[0] if self._items else None
+                if head and isinstance(head[0], _Prepared) and head[1].value is _UNSET:
                     # arrays to fetch: let a few more steps' queue up behind them, to fetch
-                    # them together, unless someone waits for them
+                    # them together, unless someone waits for them (once a batch: those
+                    # fetched with an earlier item are written at once)
                     self._changed.wait_for(self._enough, LINGER)
                 if not self._items:  # closed and idle: a later submit starts a new thread
                     if self._thread is threading.current_thread():
