@@ -125,6 +125,8 @@ def test_writing_never_waits_for_the_device(tmp_path):
     w0 = jnp.ones((8, 256), jnp.float32)
     spooled = jax.jit(eqx_logs.spool(step))
     logger = JsonlLogger(tmp_path / "a.jsonl", stall_timeout=0.2)
+    # Compile first: a first call slowed by compilation must not pass for a second of work.
+    jax.block_until_ready(spooled(w0, jnp.int32(1), jnp.int32(0)))
     n, took, i = 100, 0.0, 0
     while took < 0.8:  # about a second of work (steps 0, 1, ... are written)
         n *= 2 if took < 0.1 else 1.6
