@@ -1,5 +1,6 @@
 # Two commands for a fresh machine:
-#   make demo   runs the main example (examples/train.py, Hydra; outputs/ holds its runs)
+#   make demo   runs the main example (examples/train.py, Hydra; outputs/ holds its runs),
+#               installing only what it needs
 #   make test   runs the test suite
 # Each creates its own virtual environment (.venv, Python 3.11 / newest JAX there) and installs
 # what it needs. `make test312` runs the suite under Python 3.12 and JAX 0.12 (.venv312).
@@ -22,7 +23,15 @@ PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --versi
 	.venv312/bin/pip install -q -e '.[dev]'
 	touch $@
 
-demo: .venv/.installed
+# The demo installs what the examples need alone (the package, and the `demo` extra:
+# matplotlib for the plot command, optax), not the test and docs tools of `.[dev]`; an
+# up-to-date test install (.venv/.installed, a superset) is used as it is.
+.venv/.demo-installed: pyproject.toml
+	test -x .venv/bin/python || $(PYTHON) -m venv .venv
+	test .venv/.installed -nt pyproject.toml || .venv/bin/pip install -q -e '.[demo]'
+	touch $@
+
+demo: .venv/.demo-installed
 	.venv/bin/python examples/train.py
 
 # The random-program oracles run in processes of their own: one process compiling every

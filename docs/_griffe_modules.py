@@ -6,8 +6,15 @@ the source and only knows `@dataclass` itself, so `EMA(decay)`, `Sample(k, key=N
 of the package without an `__init__` of its own in the source, this takes the parameters of
 the class's runtime `__init__` (the one Equinox made), with the annotations as the source
 writes them where the field is declared in the package, and gives the class that `__init__`.
+
+The package's plain dataclasses (the Hydra schemas of `eqx_logs.config`) get theirs the same
+way, so that a `field(default_factory=...)` shows the default it makes (`stats: list[str] =
+['mean', ...]`, not `(lambda: list(DEFAULT_STATS))()`), as griffe's own dataclass support
+would show it. And a default that is a private name of the package (`log`'s `value=_MISSING`)
+is shown as the `repr` of its value (`MISSING`) where that value has a `repr` of its own.
 """
 
+import dataclasses
 import importlib
 import inspect
 from typing import Any
@@ -36,18 +43,60 @@ def _annotation(cls: griffe.Class, name: str) -> Any:
     return None
 
 
+def _functions(obj: griffe.Object):
+    for member in obj.members.values():
+        if member.is_alias:
+            continue
+        if member.is_function:
+            yield member
+        if member.is_module or member.is_class:
+            yield from _functions(member)
+
+
+def _default(runtime: type, p: inspect.Parameter) -> str | None:
+    """A parameter's default as the reference shows it: the value a `default_factory`
+    makes, or the default's `repr`."""
+    if p.default is inspect.Parameter.empty:
+        return None
+    fields = {f.name: f for f in dataclasses.fields(runtime)}
+    field = fields.get(p.name)
+    if field is not None and field.default_factory is not dataclasses.MISSING:
+        return repr(field.default_factory())
+    return repr(p.default)
+
+
+def _private_defaults(pkg: griffe.Module) -> None:
+    """`value=_MISSING` shown as `value=MISSING`: the value's own `repr`."""
+    for function in _functions(pkg):
+        for p in function.parameters:
+            name = p.default.name if isinstance(p.default, griffe.ExprName) else None
+            if not (name and name.startswith("_") and name.isidentifier()):
+                continue
+            try:
+                value = getattr(importlib.import_module(function.module.path), name)
+            except (ImportError, AttributeError):
+                continue
+            if type(value).__repr__ is not object.__repr__:
+                p.default = repr(value)
+
+
 class EquinoxModuleInit(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         import equinox as eqx
 
         for cls in _classes(pkg):
-            if "__init__" in cls.members:
+            # an `__init__` in the source is kept; one griffe made for a dataclass (no line of
+            # its own) is made again here
+            if "__init__" in cls.members and cls.members["__init__"].lineno:
                 continue
             try:
                 runtime = getattr(importlib.import_module(cls.module.path), cls.name)
             except (ImportError, AttributeError):
                 continue
-            if not (isinstance(runtime, type) and issubclass(runtime, eqx.Module)):
+            if not isinstance(runtime, type):
+                continue
+            module = issubclass(runtime, eqx.Module)
+            if not (module or dataclasses.is_dataclass(runtime)):
                 continue
             if runtime.__init__ is object.__init__:
                 continue
@@ -62,7 +111,7 @@ class EquinoxModuleInit(griffe.Extension):
                         p.name,
                         annotation=annotation,
                         kind=griffe.ParameterKind(p.kind.description),
-                        default=None if p.default is inspect.Parameter.empty else repr(p.default),
+                        default=_default(runtime, p),
                     )
                 )
             init = griffe.Function(
@@ -74,3 +123,6 @@ class EquinoxModuleInit(griffe.Extension):
                 returns="None",
             )
             cls.set_member("__init__", init)
+            if not module:
+                cls.labels.add("dataclass")
+        _private_defaults(pkg)

@@ -9,9 +9,16 @@ are pointed at the page that holds that heading (`hydra.md#configuration-with-hy
 is not on the page they land on. Anything else is left as it is, for mkdocs' link validation
 (strict) to report.
 
+In a table's first column, a code span that names a documented object (`log(data, ...)`,
+`loggers.JsonlLogger`, `LogDict.first_nonfinite`: the name before any `(`, looked up among the
+API pages' `::: eqx_logs...` entries) becomes a link to its API entry (`link_names`); the
+README itself keeps plain code, as GitHub has no API reference to point at.
+
 `tests/test_docs.py` runs the pages' code blocks through `expand`, as the site shows them.
 """
 
+import importlib
+import inspect
 import os
 import pathlib
 import re
@@ -21,6 +28,10 @@ from markdown.extensions.toc import slugify
 _INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"[ \t]*$', re.M)
 _HEADING = re.compile(r"^#{1,6} +(.+?) *#*$")
 _LOCAL_LINK = re.compile(r"\]\(#([\w-]+)\)")
+_DIRECTIVE = re.compile(r"^::: *(eqx_logs[\w.]*)", re.M)
+_CODE = re.compile(r"(?<!\[)`([^`\n]+)`(?!\])")
+_NAME = re.compile(r"[A-Za-z_][\w.]*")
+_MODULES = ("eqx_logs", "eqx_logs.loggers", "eqx_logs.config")
 
 _pages: dict[str, set[str]] = {}  # page (relative to docs_dir) -> the anchors of its headings
 
@@ -51,6 +62,74 @@ def _anchors(text: str) -> set[str]:
     return found
 
 
+def api_names(docs: pathlib.Path) -> set[str]:
+    """The objects with an entry of their own in the API pages (`::: eqx_logs.X`)."""
+    names = set()
+    for page in (docs / "api").glob("*.md"):
+        names.update(_DIRECTIVE.findall(page.read_text(encoding="utf-8")))
+    return names
+
+
+def _documented_member(path: str) -> bool:
+    """Whether `path` (`eqx_logs.LogDict.first_nonfinite`) is a public member with a docstring
+    of the class that defines it, so that mkdocstrings gives it an entry (and an anchor)."""
+    owner, _, attr = path.rpartition(".")
+    module, _, cls = owner.rpartition(".")
+    try:
+        obj = vars(getattr(importlib.import_module(module), cls)).get(attr)
+    except (ImportError, AttributeError, TypeError):
+        return False
+    if isinstance(obj, staticmethod | classmethod):
+        obj = obj.__func__
+    return obj is not None and not attr.startswith("_") and bool(inspect.getdoc(obj))
+
+
+def _target(code: str, names: set[str]) -> str | None:
+    """The API entry that a code span (`spool(fun, ...)`, `loggers.JsonlLogger`) names."""
+    m = _NAME.match(code.strip())
+    if m is None:
+        return None
+    name = m.group(0).rstrip(".")
+    for module in _MODULES:
+        path = name if name.startswith("eqx_logs") else f"{module}.{name}"
+        if path in names:
+            return path
+        owner = path.rpartition(".")[0]
+        if owner in names and _documented_member(path):
+            return path
+    return None
+
+
+def _first_cell_end(line: str) -> int:
+    """The index of the `|` that ends the first cell of a table row (`|` inside code spans
+    and escaped `\\|` do not end it), or -1."""
+    code = False
+    for i, c in enumerate(line[1:], 1):
+        if c == "`":
+            code = not code
+        elif c == "|" and not code and line[i - 1] != "\\":
+            return i
+    return -1
+
+
+def link_names(markdown: str, names: set[str]) -> str:
+    """`markdown` with the code spans in its tables' first column that name an API entry made
+    links to it: `` `log(data, /, ...)` `` becomes `` [`log(data, /, ...)`][eqx_logs.log] ``."""
+    out, fence = [], False
+    for line in markdown.split("\n"):
+        if line.lstrip().startswith(("```", "~~~")):
+            fence = not fence
+        elif not fence and line.startswith("|") and (end := _first_cell_end(line)) > 0:
+
+            def link(m):
+                target = _target(m.group(1), names)
+                return m.group(0) if target is None else f"[{m.group(0)}][{target}]"
+
+            line = line[:1] + _CODE.sub(link, line[1:end]) + line[end:]
+        out.append(line)
+    return "\n".join(out)
+
+
 def _root(config) -> pathlib.Path:
     return pathlib.Path(config["config_file_path"]).parent
 
@@ -77,4 +156,5 @@ def on_page_markdown(markdown, page, config, files):
                 return f"]({pathlib.PurePath(target).as_posix()}#{anchor})"
         return m.group(0)
 
-    return _LOCAL_LINK.sub(relink, expand(markdown, _root(config)))
+    markdown = _LOCAL_LINK.sub(relink, expand(markdown, _root(config)))
+    return link_names(markdown, api_names(pathlib.Path(config["docs_dir"])))

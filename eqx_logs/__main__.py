@@ -1,4 +1,4 @@
-"""`python -m eqx_logs plot RUN_DIR -o curves.png`."""
+"""`python -m eqx_logs plot RUN_DIR` (draws `RUN_DIR/curves.png`; `-o IMAGE` for another)."""
 
 import sys
 

@@ -46,7 +46,12 @@ from jax._src.interpreters import (
     partial_eval as _pe,
 )
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
-from jax.sharding import SingleDeviceSharding as _SingleDeviceSharding
+from jax.sharding import (
+    NamedSharding as _NamedSharding,
+    PartitionSpec as _PartitionSpec,
+    SingleDeviceSharding as _SingleDeviceSharding,
+    reshard as _reshard,
+)
 from jax.tree_util import tree_leaves as _tree_leaves
 
 Jaxpr = _core.Jaxpr
@@ -194,7 +199,21 @@ def host_callback(fun: Callable[..., None], *args: Any, every_process: bool = Fa
     def flat(*leaves):
         fun(*_tree_util.tree_unflatten(treedef, leaves))
 
-    host_p.bind(*leaves, callback=flat, every_process=every_process)
+    host_p.bind(*map(_whole, leaves), callback=flat, every_process=every_process)
+
+
+def _whole(x: Any) -> Any:
+    """A traced `x` whose type shards it over a mesh's explicit axes (`jax.make_mesh`'s
+    default), replicated: the call reads the whole value on one device, and XLA moves a
+    sharded value there only by an "Involuntary full rematerialization" (a warning of 400
+    characters per value and compilation); an all-gather first says what is meant."""
+    if not isinstance(x, _core.Tracer):
+        return x
+    sharding = getattr(x.aval, "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    if spec is None or all(s is None for s in spec):
+        return x
+    return _reshard(x, _NamedSharding(sharding.mesh, _PartitionSpec()))
 
 
 @host_p.def_impl

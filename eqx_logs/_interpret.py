@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import math
 import os
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,7 +31,7 @@ from ._buffers import NeedsBound, Stack, _cast
 from ._deferred import Lazy, Producers, force, log_only, stop_gradient
 from ._logdict import LogDict
 from ._methods import method
-from ._policy import Policy
+from ._policy import Policy, unmatched
 from ._primitive import (
     BACKWARD_TAG,
     current_prefix,
@@ -43,6 +42,7 @@ from ._primitive import (
     rebind,
 )
 from ._stats import overflows, per_lane, stats_p
+from ._warn import warn_user
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
@@ -459,6 +459,7 @@ class Interpreter:
         self._selects: dict[tuple[str, ...], bool] = {}
         self._reduction_of: dict[tuple[str, Any], Any] = {}
         self._bounds: dict[str, int | None] = {}  # key -> bound on its (kept) events
+        self._per_call: Counts = {}  # key -> its events per call (`run`)
         self._mesh: tuple[tuple[str, int], ...] = ()  # manual mesh axes here, with sizes
         self._vary: tuple[str, ...] = ()  # those of them whose values' variation JAX checks
         self._mesh_object: Any = None  # the mesh of the shard_map being counted
@@ -528,18 +529,48 @@ class Interpreter:
             hit = self._selects[tags] = method(self.policy, "selects")(tags)
         return hit
 
-    def warn_if_nothing_selected(self, who: str) -> None:
-        """After a run: a policy with `tags` that selected none of the events traced is most
-        likely a misspelt tag; say so, naming the tags there were."""
-        tags = getattr(self.policy, "tags", None)
-        if tags is None or not self._selects or any(self._selects.values()):
+    def warn_unmatched(self, who: str) -> None:
+        """After a run: warn (at the user's call) for what in the policy most likely holds a
+        typo: `tags` that selected nothing, an `exclude` tag or `rules` pattern that matches
+        nothing but resembles a tag or key logged (`_policy.unmatched`)."""
+        if not isinstance(self.policy, Policy) or not self._selects:
             return
-        seen = sorted({t for ts in self._selects for t in ts})
-        warnings.warn(
-            f"{who}(tags={tags!r}) selected none of the events traced; the tags logged are "
-            f"{seen if seen else 'none (every log is untagged)'}. Events a spool or tap does "
-            "not select pass to an enclosing one, or are dropped.",
-            stacklevel=2,
+        tags = {t for ts in self._selects for t in ts}
+        keys = {key for key, _ in self._reduction_of}
+        selected = any(self._selects.values())
+        for message in unmatched(self.policy, who, tags, keys, selected):
+            warn_user(message)
+        if message := self._stepless(who):
+            warn_user(message)
+
+    def _stepless(self, who: str) -> str | None:
+        """With `interval=k`, keys kept by their `step` beside keys without one, whose events
+        per call are not a multiple of k: those are numbered within each call, so in a loop
+        calling the spool once per step, each call keeps its first (a step-less key follows
+        no step). Say so, naming `scope(step=...)`."""
+        period, counts = self.policy.interval, self._per_call
+        stepped = [k for k in counts if INTERVAL_STEP in self.info[k].steps]
+        if period == 1 or not stepped:
+            return None
+        stepless = {
+            k: n
+            for k, n in counts.items()
+            if k in self._reductions
+            and INTERVAL_STEP not in self.info[k].steps
+            and isinstance(n, int)
+            and n % period
+        }
+        if not stepless:
+            return None
+        names = ", ".join(f"{k!r} ({n} per call)" for k, n in list(stepless.items())[:4])
+        more = f" and {len(stepless) - 4} more" if len(stepless) > 4 else ""
+        return (
+            f"{who}(interval={period}): {names}{more} are logged without a `step`, while "
+            f"{stepped[0]!r} carries one. `interval` keeps an event with a step where the step "
+            f"is a multiple of {period}, and numbers the others within each call (events 0, "
+            f"{period}, {2 * period}, ... of the call): called once per training step, each "
+            "call keeps its first. Log them inside `with eqx_logs.scope(step=i):` (around the "
+            "model's call, for `instrument`'s statistics) to keep them by step too."
         )
 
     def reduction_of(self, key: str, site_reduce: Any = None) -> Any:
@@ -1224,6 +1255,7 @@ class Interpreter:
                     "value": reduction,
                     **{f"step:{n}": step for n in info.steps},
                 }
+        self._per_call = counts
         states = {key: self._init(key, counts[key]) for key in self._reductions}
         if self.policy.first_nonfinite:
             self._first = _FirstNonfinite(self)

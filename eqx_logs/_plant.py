@@ -26,7 +26,7 @@ from ._primitive import (
 )
 from ._reductions import Count
 from ._rules import RULES
-from ._spool import trace_filtered, update_wrapper
+from ._spool import build_wrapper, trace_filtered
 
 _T = TypeVar("_T")
 
@@ -239,4 +239,4 @@ def plant(fun: Callable[..., _T], values: Mapping[str, PyTree[ArrayLike]]) -> Ca
             f"{type(values).__name__}."
         )
     values = {k: jax.tree.map(jnp.asarray, v) for k, v in values.items()}
-    return update_wrapper(_Planted(fun, values))
+    return build_wrapper(_Planted, fun, values)

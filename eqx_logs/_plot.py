@@ -1,10 +1,13 @@
-"""`python -m eqx_logs plot RUN_DIR -o curves.png`: the scalar curves of JSONL runs."""
+"""`python -m eqx_logs plot RUN_DIR`: the scalar curves of JSONL runs, drawn into
+`RUN_DIR/curves.png` (or `-o IMAGE`)."""
 
 import argparse
+import difflib
 import fnmatch
 import math
 import os
 import re
+import shlex
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +38,15 @@ def find_runs(path: str) -> list[str]:
         dirs.sort()
         found += [os.path.join(root, f) for f in sorted(files) if f.endswith(".jsonl")]
     return found
+
+
+def default_output(path: str) -> str:
+    """Where the image goes without `-o`: into the run's directory (`path/curves.png`), or for
+    a `.jsonl` file beside it (`logs.jsonl` gives `logs.png`), not into the working
+    directory."""
+    if os.path.isfile(path):
+        return os.path.splitext(path)[0] + ".png"
+    return os.path.join(path, "curves.png")
 
 
 def key_matches(key: str, pattern: str) -> bool:
@@ -107,6 +119,33 @@ def load_curves(
     return curves, skipped - set(curves), unstepped
 
 
+def no_match(files: Sequence[str], keys: Sequence[str]) -> str:
+    """The error for patterns that match no scalar key: the scalar keys the files hold, and
+    how to pick some (the key closest to the first pattern, and a `prefix/*` pattern)."""
+    scalar, other = set(), set()
+    for f in files:
+        for r in read_jsonl(f):
+            if isinstance(r.get("key"), str):
+                (other if _number(r.get("value")) is None else scalar).add(r["key"])
+    asked = " ".join(f"-k {shlex.quote(k)}" for k in keys)
+    where = f"{len(files)} file(s)" if len(files) > 1 else files[0]
+    if not scalar:
+        held = f" (its keys: {', '.join(sorted(other))})" if other else ""
+        return f"error: no scalar values in {where}{held}"
+    present = sorted(scalar)
+    shown = ", ".join(present[:40]) + (f", ... ({len(present) - 40} more)" if present[40:] else "")
+    close = difflib.get_close_matches(keys[0], present, n=1, cutoff=0.5) or present[:1]
+    examples = [f"-k {shlex.quote(close[0])}"]
+    prefix = next((k.split("/")[0] for k in present if "/" in k), None)
+    if prefix is not None:
+        examples.append(f"-k {shlex.quote(prefix + '/*')}")
+    return (
+        f"error: no scalar key matches {asked} in {where}; its scalar keys:\n  {shown}\n"
+        f"pick some with -k (repeatable; '*' and '?' are wildcards), e.g. {', '.join(examples)}; "
+        "without -k every key is plotted"
+    )
+
+
 def plot(
     curves: Curves,
     output: str,
@@ -163,7 +202,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="draw the scalar curves of JSONL runs (pip install '.[plot]' from the checkout)",
     )
     p.add_argument("run_dir", help="a .jsonl file, or a directory searched for them")
-    p.add_argument("-o", "--output", default="curves.png", help="the image (default: %(default)s)")
+    p.add_argument(
+        "-o",
+        "--output",
+        help="the image (default: RUN_DIR/curves.png; for a .jsonl file, the file's name with "
+        ".png, beside it)",
+    )
     p.add_argument(
         "-k",
         "--key",
@@ -183,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     keys = args.keys or ["*"]
+    output = args.output or default_output(args.run_dir)
 
     files = find_runs(args.run_dir)
     if not files:
@@ -197,10 +242,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         names = ", ".join(sorted(skipped))
         print(f"not plotted (values are not scalars): {names}", file=sys.stderr)
     if not curves:
-        print(f"error: no scalar keys matching {keys} in {files}", file=sys.stderr)
+        print(no_match(files, keys), file=sys.stderr)
         return 2
     try:
-        plot(curves, args.output, args.run_dir, unstepped, args.step, args.logy)
+        plot(curves, output, args.run_dir, unstepped, args.step, args.logy)
     except ImportError as e:
         if e.name is None or e.name.split(".")[0] != "matplotlib":
             raise
@@ -211,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     n = sum(len(c) for c in curves.values())
-    print(f"wrote {args.output}: {len(curves)} keys, {n} curves from {len(files)} file(s)")
+    print(f"wrote {output}: {len(curves)} keys, {n} curves from {len(files)} file(s)")
     labels = sorted({label for c in curves.values() for label in c})
     if len(labels) > 1:
         print("runs: " + ", ".join(labels))

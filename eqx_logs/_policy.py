@@ -1,5 +1,6 @@
 """Policy: which events a spool keeps and how each key is reduced."""
 
+import difflib
 import fnmatch
 import functools
 import zlib
@@ -86,7 +87,11 @@ class Policy(eqx.Module):
 
     - `reduce`: the default reduction: a name (`"stack"`, `"mean"`, `"last"`, ...) or an
         [`eqx_logs.AbstractReduction`][].
-    - `interval`: keep every `interval`-th event of each key (events 0, k, 2k, ...).
+    - `interval`: with `interval=k`, an event logged with a step (`log(..., step=i)`, or
+        inside `scope(step=i)`) is kept where `i` is a multiple of k, whichever call it
+        happens in (steps 0, k, 2k, ... across the calls of a per-step loop); an event
+        without a step is numbered per key within each call (events 0, k, 2k, ... of the
+        call are kept).
     - `window`: shorthand for `Window(window, reduce)` on every key.
     - `tags`: None keeps all events; otherwise only events carrying one of these tags.
     - `exclude`: drop events carrying any of these tags.
@@ -226,6 +231,53 @@ def with_options(policy: Any, where: str, **options: Any) -> Policy:
     if all(v is None for v in options.values()):
         return policy  # `spool(f)` in a loop: building a Policy costs more than the call
     return policy.replace(**options)
+
+
+def unmatched(
+    policy: Policy, who: str, tags: set[str], keys: set[str], selected: bool
+) -> list[str]:
+    """After tracing: what in `policy` most likely holds a typo, given the `tags` the events
+    traced carry and the `keys` kept (`selected`: whether any event was).
+
+    - `tags` that selected none of the events: said with the tags logged.
+    - An `exclude` tag or a `rules` pattern that matches nothing while a tag or key close to
+        it (by spelling, or by case) was logged: said with that tag or key. One that matches
+        nothing and resembles nothing stays silent, as a shared configuration excluding a
+        tag the program does not log (Hydra's `exclude: [debug]`) is correct.
+    """
+    found = []
+    seen = sorted(tags)
+    if policy.tags is not None and not selected:
+        found.append(
+            f"{who}(tags={policy.tags!r}) selected none of the events traced; the tags logged "
+            f"are {seen if seen else 'none (every log is untagged)'}. Events a spool or tap "
+            "does not select pass to an enclosing one, or are dropped."
+        )
+    for tag in policy.exclude:
+        if tag not in tags and (near := _near(tag, seen, lambda t, x: t.lower() == x.lower())):
+            found.append(
+                f"{who}(exclude={tag!r}): no event traced carries that tag; did you mean "
+                f"{near!r}? The tags logged are {seen}."
+            )
+    for pattern, _ in policy.rules:
+        if any(fnmatch.fnmatchcase(k, pattern) for k in keys):
+            continue
+        if near := _near(pattern, sorted(keys), lambda p, x: fnmatch.fnmatch(x.lower(), p.lower())):
+            found.append(
+                f"{who}(rules={{{pattern!r}: ...}}): the pattern matches none of the keys "
+                f"kept; did you mean {near!r}? Patterns are `fnmatch` patterns matched case by "
+                "case against whole keys (`'grad/*'`)."
+            )
+    return found
+
+
+def _near(word: str, among: list[str], same: Any) -> str | None:
+    """The first of `among` that `same(word, it)` or that is spelt close to `word`."""
+    for x in among:
+        if same(word, x):
+            return x
+    close = difflib.get_close_matches(word, among, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 @functools.cache

@@ -373,7 +373,18 @@ def _call_site() -> str:
 # log
 # ----------------------------------------------------------------------------------------
 
-_MISSING = object()
+
+class _Missing:
+    """`log`'s second argument when none is given: `log(data)`, not `log(name, value)`. Its
+    repr, `MISSING`, is what signatures show (`help(log)`, the API reference)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+_MISSING = _Missing()
 # Attributes of LogDict that a step name would shadow.
 # LogDict's attributes, and the fields of a logger's records (`loggers.records`)
 RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions", "rows", "key", "value", "run"})

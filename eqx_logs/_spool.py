@@ -3,6 +3,7 @@
 import dataclasses
 import functools
 import types
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from ._logdict import LogDict
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
 from ._reductions import AbstractReduction
+from ._retrace import note_compile
 from ._rules import RULES
 
 _T = TypeVar("_T")
@@ -48,7 +50,11 @@ def spool(
     - `policy`: an [`eqx_logs.Policy`][]; the keywords below override its fields.
     - `reduce`: the default reduction, a name (`"stack"`, `"mean"`, `"last"`, ...) or an
         [`eqx_logs.AbstractReduction`][] (`Stack(capacity=...)` for logs inside while loops).
-    - `interval`: keep every `interval`-th event of each key (events 0, k, 2k, ...).
+    - `interval`: with `interval=k`, an event logged with a step (`log(..., step=i)`, or
+        inside `scope(step=i)`) is kept where `i` is a multiple of k, whichever call it
+        happens in: in a loop calling the spooled step once per iteration, steps 0, k,
+        2k, .... An event without a step is numbered per key within each call (events 0,
+        k, 2k, ... of the call are kept).
     - `window`: reduce each run of `window` events and stack the results.
     - `tags`: keep only events carrying at least one of these tags (None keeps all).
     - `exclude`: drop events carrying any of these tags.
@@ -113,7 +119,7 @@ def _make(fun: Callable, policy: Any, keep: bool, options: dict[str, Any]) -> "_
     policy = with_options(policy, "eqx_logs.spool", **options)
     if not callable(fun):
         raise TypeError(f"eqx_logs.spool expects a callable, got {type(fun).__name__}.")
-    return update_wrapper(_Spooled(fun, policy, keep))
+    return build_wrapper(_Spooled, fun, policy, keep)
 
 
 _W = TypeVar("_W", bound=eqx.Module)
@@ -128,6 +134,27 @@ _WRAPPER_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
     "__doc__": ((str, type(None)), None),
     "__annotations__": ((dict,), {}),
 }
+
+
+# Equinox warns when a Module field holds a JAX-transformed callable whose arrays it cannot
+# see (`jax.vmap(model)`): a gradient with respect to the Module would miss them. A wrapper
+# calls the callable as given, as `jax.vmap(model)` alone would: no warning for correct code.
+_TRANSFORMED = r"\s*Possibly assigning a JAX-transformed callable"
+
+
+def build(cls: Callable[..., _W], *fields: Any, **options: Any) -> _W:
+    """`cls(*fields, **options)`, without Equinox's warning about a JAX-transformed callable
+    (`spool(jax.vmap(model))`, `tap(jax.grad(f))`)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TRANSFORMED, UserWarning)
+        return cls(*fields, **options)
+
+
+def build_wrapper(cls: Callable[..., _W], *fields: Any) -> _W:
+    """`update_wrapper(build(cls, *fields))`."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", _TRANSFORMED, UserWarning)
+        return update_wrapper(cls(*fields))
 
 
 def update_wrapper(wrapper: _W) -> _W:
@@ -237,7 +264,7 @@ def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     interpreter = Interpreter(policy, RULES, keep=keep)
     outs, logs = interpreter.run(closed, flat)
-    interpreter.warn_if_nothing_selected("eqx_logs.spool")
+    interpreter.warn_unmatched("eqx_logs.spool")
     return rebuild(outs), logs
 
 
@@ -288,6 +315,7 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     arrays = iter(arrays)
     leaves = [next(arrays) if x is None else x for x in leaves]
     fun, policy = jtu.tree_unflatten(treedef, leaves)
+    note_compile("eqx_logs.spool", static, fun, args, kwargs)
     before = _nnx.snapshot((fun, args, kwargs))
     out, logs = _spool_run(fun, policy, keep, args, kwargs)
     written = _nnx.updates(before, (fun, args, kwargs), "eqx_logs.spool")

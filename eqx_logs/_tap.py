@@ -14,12 +14,14 @@ import numpy as np
 from jax import lax
 
 from . import _compat, _nnx
+from ._buffers import Stack
 from ._deferred import force
 from ._interpret import INTERVAL_STEP, Interpreter
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, is_log, rebind
+from ._retrace import fun_key, note_compile
 from ._rules import RULES, _split, inline_copy_apply
-from ._spool import trace_filtered, update_wrapper
+from ._spool import build_wrapper, trace_filtered
 
 _T = TypeVar("_T")
 
@@ -450,6 +452,7 @@ def tap(
     tags: Any = None,
     exclude: Any = None,
     prefix: str | None = None,
+    **spool_only: Any,
 ) -> Callable[..., _T]:
     """Stream every [`eqx_logs.log`][] event of `fun` to `callback(logs, steps)` on the host, in
     execution order, as it happens (inside jit, scan, while, cond).
@@ -464,6 +467,8 @@ def tap(
         mask and those lanes' inexact values are NaN.
     - `policy`, `interval`, `tags`, `exclude`, `prefix`: as for `spool`. `interval=k` is
         applied on the device: the host is called only for events 0, k, 2k, ... of each key.
+        `spool`'s other options (`reduce`, `window`, `first_nonfinite`, `keep`, `key`,
+        `across`) raise a `TypeError` saying why: tap keeps no events to work on.
 
     **Returns:**
 
@@ -482,6 +487,7 @@ def tap(
         eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
         ```
     """
+    check_tap_options("eqx_logs.tap", spool_only)
     options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
     policy = with_options(policy, "eqx_logs.tap", **options)
     if fun is None:
@@ -492,6 +498,29 @@ def tap(
         _check_callback(callback)
     sink = _Callback(print_callback if callback is None else callback)
     return tap_with(fun, policy, sink, None, every_process=False)
+
+
+# spool's options that tap has not, and what tap would need to keep for them
+_SPOOL_ONLY = {
+    "reduce": "to reduce",
+    "window": "to reduce by window",
+    "first_nonfinite": "to search for a NaN or infinity (or check the values in the callback)",
+    "keep": "to pass on to an enclosing spool",
+    "key": "to sample",
+    "across": "to merge across devices",
+}
+
+
+def check_tap_options(where: str, options: dict[str, Any]) -> None:
+    """A `TypeError` for keywords `where` (a tap) does not take, saying why for spool's."""
+    for name in options:
+        if name not in _SPOOL_ONLY:
+            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}.")
+        raise TypeError(
+            f"{where}() has no `{name}`: that is a spool option. A tap streams each event to "
+            f"the host as it happens and keeps none on the device {_SPOOL_ONLY[name]}; use "
+            f"`eqx_logs.spool(..., {name}=...)` (or `logger.spool` / `logger.jit`)."
+        )
 
 
 def _check_callback(callback: Any) -> None:
@@ -531,7 +560,27 @@ def tap_with(
             "happens and does not look for non-finite values; use `eqx_logs.spool(..., "
             "first_nonfinite=True)` (or `logger.spool`), or check the values in the callback."
         )
-    return update_wrapper(_Tapped(fun, policy, sink, context, every_process))
+    ignored = [
+        name
+        for name, used in (
+            ("reduce", not isinstance(policy.reduce, Stack)),
+            ("window", policy.window is not None),
+            ("rules", any(not isinstance(r, str | Stack) for _, r in policy.rules)),
+            ("across", bool(policy.across)),
+            ("key", policy.key is not None),
+        )
+        if used
+    ]
+    if ignored:
+        fields = ", ".join(f"{n}={getattr(policy, n)!r:.60}" for n in ignored)
+        raise ValueError(
+            f"tap(policy=Policy({fields})): a tap streams each event to the host as it "
+            "happens and keeps none on the device to reduce, merge or sample, so these would "
+            "be ignored. Use `eqx_logs.spool` (or `logger.spool` / `logger.jit`) for them, or "
+            "tap with a Policy of what a tap uses: `interval`, `tags`, `exclude`, `prefix` "
+            "and `'drop'` rules."
+        )
+    return build_wrapper(_Tapped, fun, policy, sink, context, every_process)
 
 
 class _Tapped(eqx.Module):
@@ -556,7 +605,9 @@ class _Tapped(eqx.Module):
     def __call__(self, *args, **kwargs):
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
         sink = (self.sink, self.every_process)
-        scope = current_prefix()
+        # (whether the call is eager: compiling again for a static argument of an enclosing
+        # `jax.jit` is the user's choice, and not said)
+        scope = (current_prefix(), not _compat.is_traced((args, kwargs)))
         out, written = _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
         if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
             _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.tap")
@@ -578,11 +629,13 @@ class _Callback(eqx.Module):
 
 @eqx.filter_jit
 def _tap_call(fun, policy, sink, scope, context, args, kwargs):
-    del scope  # part of the cache key only
+    _, eager = scope  # (the prefix is part of the cache key only)
+    if eager:
+        note_compile("eqx_logs.tap", fun_key(fun), fun, args, kwargs)
     before = _nnx.snapshot((fun, args, kwargs))
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     interpreter = _TapInterpreter(policy, *sink, context)
     outs = interpreter.run(closed, flat)
-    interpreter.warn_if_nothing_selected("eqx_logs.tap")
+    interpreter.warn_unmatched("eqx_logs.tap")
     out = rebuild(outs)
     return out, _nnx.updates(before, (fun, args, kwargs), "eqx_logs.tap") or None

@@ -15,6 +15,7 @@ The groups' YAML files (`eqx_logs/conf/`, on every Hydra application's search pa
 package is installed) extend them (`defaults: [/eqx_logs/logging/base@_here_, _self_]`), as an
 application's own options can, and `hydra.utils.instantiate(cfg.logging)` returns a Policy,
 `instantiate(cfg.logger)` a logger, `instantiate(cfg.instrument)` an Instrumentation.
+`instantiate_logger(cfg)` makes the logger and records the whole config with its runs.
 Reductions are names (`reduce: mean`) or nested `_target_` nodes (`reduce: {_target_:
 eqx_logs.Window, size: 100, inner: mean}`).
 """
@@ -331,6 +332,41 @@ def multi_logger(*loggers: Any, on_full: str = "block", stall_timeout: float | N
     return MultiLogger(
         *(instantiate(cfg, **{k: v for k, v in policy.items() if k not in cfg}) for cfg in loggers)
     )
+
+
+def instantiate_logger(cfg: Any, key: str = "logger") -> Any:
+    """`hydra.utils.instantiate(cfg[key])`, recording the whole of `cfg`, resolved, as the
+    logger's run config (its `config`; see [`eqx_logs.loggers.AbstractLogger`][]): W&B's and
+    trackio's run config, MLflow's params, TensorBoard's hparams, the JSONL file's first line.
+    A logger given a `config` of its own (in its node) keeps it; a
+    [`eqx_logs.loggers.MultiLogger`][] passes `cfg` to each of its loggers.
+
+    ```python
+    @hydra.main(config_path="conf", config_name="config", version_base="1.3")
+    def main(cfg):
+        with eqx_logs.config.instantiate_logger(cfg) as logger:  # not instantiate(cfg.logger)
+            ...
+    ```
+
+    **Arguments:**
+
+    - `cfg`: the application's config (what `@hydra.main` hands the task function; Hydra's
+        own `hydra` node is not part of it).
+    - `key`: the node of `cfg` that configures the logger.
+
+    **Returns:** the logger.
+    """
+    from hydra.utils import instantiate
+
+    from .loggers import AbstractLogger
+
+    logger = instantiate(cfg[key])
+    if not isinstance(logger, AbstractLogger):
+        raise TypeError(
+            f"instantiate_logger: `{key}` made a {type(logger).__name__}, not an eqx_logs "
+            "logger (its `_target_` should name one, e.g. eqx_logs.loggers.JsonlLogger)."
+        )
+    return logger._with_config(cfg)
 
 
 def register_configs() -> None:

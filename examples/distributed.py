@@ -21,6 +21,7 @@ per-device keys; the events it does not select pass on to the outer one, which m
 over the devices.
 """
 
+import logging
 import os
 import sys
 
@@ -91,6 +92,8 @@ def train_chunk(step, logger, state, policy, stream, params, xs, ys, start):
 
 @hydra.main(config_path="conf", config_name="distributed", version_base="1.3")
 def main(cfg: DictConfig) -> float:
+    # not JAX's search for a TPU (jax.distributed's own INFO lines stay)
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     train = cfg.train
     if train.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -125,7 +128,7 @@ def main(cfg: DictConfig) -> float:
     params = jax.tree.map(replicate, init(jax.random.key(train.seed), train.width))
     step = make_step(mesh, train.lr)
     chunk = eqx.filter_jit(train_chunk)
-    with instantiate(cfg.logger) as logger:
+    with eqx_logs.config.instantiate_logger(cfg) as logger:  # cfg recorded with the run
         state = logger.init(train.run)
         for start in range(0, train.steps, train.chunk):
             part = slice(start, start + train.chunk)

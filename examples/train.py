@@ -8,17 +8,20 @@
 
     python examples/train.py logger=tensorboard       # or wandb, mlflow, array, multi
     python examples/train.py logger=progress train.stream=true
-    python -m eqx_logs plot outputs/<date>/<time> -o curves.png
+    python -m eqx_logs plot outputs/<date>/<time>     # draws outputs/<date>/<time>/curves.png
 
     python examples/train.py instrument=all           # statistics of every layer (and gradient)
     python examples/train.py instrument=norms "instrument.where=['layers[0]']"
-    python -m eqx_logs plot outputs/<date>/<time> -k 'layers[0]/*' -o layer0.png
+    python -m eqx_logs plot outputs/<date>/<time> -k 'layers[0]/*' -o outputs/layer0.png
     python examples/train.py logging.first_nonfinite=true train.lr=5   # where did it go NaN?
 
 The training steps are scanned inside `eqx.filter_jit`. `logger.spool(run, state, policy=...)`
 inside the jitted call collects the logs, reduced on the device as the policy says, and the
 logger writes them into Hydra's run directory (on a background thread) after every chunk of
 steps. With `train.stream=true`, `logger.tap` writes each selected event as it happens instead.
+The logger is made by `eqx_logs.config.instantiate_logger(cfg)`, which records the whole
+resolved config with the run (the JSONL file's first line, W&B's config, MLflow's params,
+TensorBoard's hparams).
 
 `instrument=all` (the package's group `instrument`) applies `eqx_logs.instrument` to the model
 before training: every layer's output statistics are logged as `layers[<i>]/<stat>`, the
@@ -38,7 +41,8 @@ import hydra
 import jax
 import jax.numpy as jnp
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
+from hydra.types import RunMode
+from hydra.utils import instantiate, to_absolute_path
 from omegaconf import DictConfig
 
 import eqx_logs
@@ -131,13 +135,19 @@ def main(cfg: DictConfig) -> float:
             "logging.first_nonfinite=true needs the logs spooled, not train.stream=true: a tap "
             "writes each event as it happens and does not look for non-finite values."
         )
+    if train.stream and not (isinstance(policy.reduce, eqx_logs.Stack) and policy.window is None):
+        raise ValueError(
+            f"logging.reduce={type(policy.reduce).__name__.lower()} (window={policy.window}) "
+            "needs the logs spooled, not train.stream=true: a tap writes each event as it "
+            "happens and reduces none."
+        )
     kdata, kmodel = jax.random.split(jax.random.key(train.seed))
     x, y = dataset(kdata, train.batch)
     # instrumented before training: the parameters are the instrumented model's arrays
     model = instrumentation(MLP(train.width, kmodel))
     first = float(loss_fn(model, x, y))
     nonfinite = None  # (the first chunk's start step, its report)
-    with instantiate(cfg.logger) as logger:
+    with eqx_logs.config.instantiate_logger(cfg) as logger:  # cfg recorded with the run
         state = logger.init(train.run)
         for start in range(0, train.steps, train.chunk):
             model, logs = train_chunk(
@@ -170,7 +180,12 @@ def main(cfg: DictConfig) -> float:
     if where is not None:
         log.info(f"written to {os.path.join(out, where)}")
         if isinstance(logger, eqx_logs.loggers.JsonlLogger):
-            log.info(f"next: {sys.executable} -m eqx_logs plot {out} -o curves.png")
+            # after --multirun, the sweep's directory: a line per job in each panel
+            hydra_cfg = HydraConfig.get()
+            multirun = hydra_cfg.mode == RunMode.MULTIRUN
+            runs = to_absolute_path(hydra_cfg.sweep.dir) if multirun else out
+            image = os.path.join(runs, "curves.png")
+            log.info(f"next: {sys.executable} -m eqx_logs plot {runs} -o {image}")
     elif isinstance(logger, eqx_logs.loggers.ConsoleLogger):
         log.info("written to the console")
     else:

@@ -58,30 +58,37 @@ def assert_tree_allclose(got, want, *, rtol=RTOL, atol=ATOL, what: str = "output
         np.testing.assert_array_equal(got, want, err_msg=what)
 
 
-_CONSOLE_LINE = re.compile(r"( *)(\S(?:\S| (?! ))*)(?:  (\S.*))?")
+_CONSOLE_FIELD = re.compile(r"(?:^|  +)([^\s=]+)=")
+_CONSOLE_NUMBER = re.compile(r"(-?[0-9]+)([.e].*)?")
 
 
-def check_aligned(
-    lines: list[str], keys: list[str], prefix: str = ""
-) -> list[tuple[str, str, str]]:
-    """ConsoleLogger output: every line is `<prefix><key>  <value>  <steps>` with the keys
-    left-aligned to the longest of `keys` (the keys of one write) and the values right-aligned
-    to one column. Returns (key, value, steps) per line."""
-    width = max(len(k) for k in keys)
-    out, ends, pads = [], set(), []
+def check_aligned(lines: list[str], prefix: str = "") -> list[dict[str, str]]:
+    """ConsoleLogger output: every line is `<prefix>name=value  name=value ...` (the step
+    names, then the keys), and where lines have the same names up to a field, that field's
+    value has its decimal point (or the end of its integer part, or of a non-number) in one
+    column. Returns each line's fields, `{name: value}` in order."""
+    out, points = [], {}
     for line in lines:
         assert line.startswith(prefix), f"no {prefix!r}: {line!r}"
-        line = line[len(prefix) :]
-        key = line[:width].rstrip()
-        assert key in keys, line
-        assert line[width : width + 2] == "  ", f"key column not aligned: {line!r}"
-        m = _CONSOLE_LINE.fullmatch(line[width + 2 :])
-        assert m, f"not `value  steps`: {line!r}"
-        pads.append(len(m[1]))
-        ends.add(width + 2 + len(m[1]) + len(m[2]))
-        out.append((key, m[2], m[3] or ""))
-    assert len(ends) <= 1, f"values end in different columns {sorted(ends)}: {lines}"
-    assert not pads or min(pads) == 0, f"the widest value is padded: {lines}"
+        body = line[len(prefix) :]
+        assert body and body == body.rstrip() and not body.startswith(" "), repr(line)
+        starts = list(_CONSOLE_FIELD.finditer(body))
+        assert starts and starts[0].start() == 0, f"not `name=value ...`: {line!r}"
+        fields, names = {}, ()
+        for m, after in zip(starts, [*starts[1:], None]):
+            raw = body[m.end() : after.start() if after else len(body)]
+            value = raw.strip()
+            assert value, f"empty value: {line!r}"
+            assert m[1] not in fields, f"{m[1]!r} twice on a line: {line!r}"
+            number = _CONSOLE_NUMBER.fullmatch(value)
+            left = number[1] if number else value
+            column = m.end() + (len(raw) - len(raw.lstrip())) + len(left)
+            names = (*names, m[1])
+            points.setdefault(names, set()).add(column)
+            fields[m[1]] = value
+        out.append(fields)
+    for names, columns in points.items():
+        assert len(columns) == 1, f"{names[-1]!r} not aligned after {names[:-1]}: {lines}"
     return out
 
 

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import check_aligned
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
@@ -687,10 +689,13 @@ def train_run(tmp_path_factory):
 
 
 def read_lines(path: Path) -> list[dict]:
-    """Every line of a JSONL file, parsed (a line that is not JSON fails the test)."""
+    """Every line of a JSONL file, parsed (a line that is not JSON fails the test), but the
+    first: the run's config (`test_default_run_records_its_config`)."""
     text = path.read_text()
     assert text.endswith("\n")
-    return [json.loads(line) for line in text.splitlines()]
+    header, *lines = [json.loads(line) for line in text.splitlines()]
+    assert header.keys() == {"config"}, header
+    return lines
 
 
 def by_key(records: list[dict]) -> dict[str, list[dict]]:
@@ -767,6 +772,19 @@ def test_default_run(train_run, debug):
         np.testing.assert_allclose(values, ref[key][::10], rtol=1e-5, err_msg=key)
 
 
+def test_default_run_records_its_config(train_run):
+    """examples/train.py makes its logger with `eqx_logs.config.instantiate_logger(cfg)`: the
+    JSONL file's first line is the whole Hydra config, resolved, as Hydra saved it."""
+    run = train_run("default").ok()
+    with open(run.out / "logs.jsonl") as f:
+        header = json.loads(f.readline())
+    saved = OmegaConf.load(run.out / ".hydra" / "config.yaml")
+    assert header == {"config": OmegaConf.to_container(saved, resolve=True)}
+    config = header["config"]
+    assert config["train"]["steps"] == STEPS and config["train"]["lr"] == 0.05
+    assert config["logging"]["interval"] == 10 and config["logger"]["path"] == "logs.jsonl"
+
+
 @pytest.mark.parametrize("interval", [10, 1])
 def test_interval(train_run, debug, interval):
     run = train_run(f"interval{interval}", f"logging.interval={interval}").ok()
@@ -827,25 +845,21 @@ def test_tags_train(train_run):
 
 
 def test_console_logger(train_run, debug):
+    """`logger=console` (`last_only: true`): a line per jitted chunk, `step=<its last kept
+    step>  <key>=<value> ...` with every key."""
     run = train_run("console", "logger=console").ok()
     _, _, ref = debug
     assert not list(run.out.rglob("*.jsonl"))
     assert re.search(r"^written to the console$", run.stdout, re.M), run.stdout
-    lines = [line for line in run.stdout.splitlines() if re.fullmatch(r"\S+ +\S+ +step=\d+", line)]
-    assert len(lines) == len(TRAIN_KEYS) * STEPS // CHUNK, run.stdout
-    width = max(len(k) for k in TRAIN_KEYS)
-    for i in range(0, len(lines), len(TRAIN_KEYS)):  # one block per write
-        block = lines[i : i + len(TRAIN_KEYS)]
-        assert {line.split()[0] for line in block} == TRAIN_KEYS
-        last_step = i // len(TRAIN_KEYS) * CHUNK + CHUNK - 10
-        # values right-aligned: they all end in one column
-        assert len({line.rindex("  step=") for line in block}) == 1, block
-        for line in block:
-            key = line.split()[0]
-            assert line[:width].rstrip() == key and line[width : width + 2] == "  ", line
-            value, step = line[width + 2 :].split()
-            assert step == f"step={last_step}", line
-            assert math.isclose(float(value), ref[key][last_step], rel_tol=1e-5), line
+    lines = [line for line in run.stdout.splitlines() if line.startswith("step=")]
+    assert len(lines) == STEPS // CHUNK, run.stdout
+    for i, line in enumerate(lines):
+        (row,) = check_aligned([line])
+        last_step = i * CHUNK + CHUNK - 10
+        assert row.pop("step") == str(last_step), line
+        assert set(row) == TRAIN_KEYS, line
+        for key, value in row.items():
+            assert math.isclose(float(value), ref[key][last_step], rel_tol=1e-3), (key, line)
 
 
 def test_stream_writes_every_kept_event_as_it_happens(train_run, debug):
@@ -913,24 +927,61 @@ def test_the_summary_is_logged_and_names_the_next_step(train_run):
     lines = run.stdout.splitlines()
     assert lines[0].startswith("loss "), run.stdout
     assert "tpu" not in (run.stdout + run.stderr).lower()
-    plot = f"next: {sys.executable} -m eqx_logs plot {run.out} -o curves.png"
+    # the image goes into the run's directory, not into the directory the user is in
+    plot = f"next: {sys.executable} -m eqx_logs plot {run.out} -o {run.out / 'curves.png'}"
     assert lines[-1] == plot, run.stdout
     log = (run.out / "train.log").read_text()
     for line in lines:  # each with Hydra's time and logger name in the file
         assert re.search(rf"\]\[__main__\]\[INFO\] - {re.escape(line)}$", log, re.M), log
 
 
+def test_help_lists_the_groups_to_pick_not_the_schemas():
+    """`examples/train.py --help` (no training): the groups a user picks from, each with what
+    it is for, and the same options as Hydra's own list (which starts with the schemas,
+    `eqx_logs/logger: ...`: listed here as what they are, not as groups); the config too."""
+
+    def help_text(*overrides: str) -> str:
+        proc = subprocess.run(
+            [sys.executable, str(TRAIN), "--help", *overrides],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    shown = help_text()
+    groups = dict(re.findall(r"^([\w/]+): (.+)$", shown, re.M))
+    # Hydra's own list, as its default template would show it
+    hydras = dict(
+        re.findall(r"^([\w/]+): (.+)$", help_text("hydra.help.template=$APP_CONFIG_GROUPS"), re.M)
+    )
+    assert {g for g in hydras if g.startswith("eqx_logs/")} == {
+        "eqx_logs/logging", "eqx_logs/logger", "eqx_logs/instrument"
+    }  # fmt: skip
+    user = {g: options for g, options in hydras.items() if not g.startswith("eqx_logs/")}
+    assert groups == user, shown  # every group to pick, with every option, and nothing else
+    assert set(user) == {"logging", "logger", "instrument"}
+    for group, what in [("logging", "eqx_logs.Policy"), ("logger", "eqx_logs.loggers")]:
+        line = shown.splitlines()[shown.splitlines().index(f"{group}: {user[group]}") + 1]
+        assert line.startswith("    ") and what in line, shown
+    assert "eqx_logs/logger/<backend>" in shown and "schemas" in shown, shown
+    assert re.search(r"^== Config ==$", shown, re.M) and "  steps: 2000" in shown, shown
+
+
 def test_plot_cli_draws_the_default_run(train_run, tmp_path):
+    """The command the run's last line names, run where the user is: the image goes into the
+    run's directory, nothing into the working directory."""
     run = train_run("default").ok()
-    out = tmp_path / "curves.png"
+    out = run.out / "curves.png"
+    command = shlex.split(run.stdout.splitlines()[-1].removeprefix("next: "))
+    assert command[:4] == [sys.executable, "-m", "eqx_logs", "plot"], command
     proc = subprocess.run(
-        [sys.executable, "-m", "eqx_logs", "plot", str(run.out), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=120,
+        command, capture_output=True, text=True, env=_env(), timeout=120, cwd=tmp_path
     )
     assert proc.returncode == 0, proc.stderr
+    assert not list(tmp_path.iterdir())
     assert f"wrote {out}: {len(TRAIN_KEYS)} keys, {len(TRAIN_KEYS)} curves" in proc.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     import matplotlib.image
@@ -965,6 +1016,43 @@ def test_plot_cli_says_what_is_missing(tmp_path):
     assert proc.returncode == 2
     assert f"no .jsonl files in {str(tmp_path)!r}" in proc.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+@pytest.mark.fast
+def test_plot_cli_lists_the_keys_when_no_key_matches(tmp_path, capsys):
+    """`-k los`: the error lists the scalar keys there and shows how to pick (the closest key,
+    a `prefix/*` pattern), not the files; `-k loss` draws, by default beside the file."""
+    from eqx_logs._plot import main
+
+    log = tmp_path / "logs.jsonl"
+    rows = [("loss", 1.5), ("grad/layer0", 0.5), ("grad/layer1", 0.25), ("v", [1.0, 2.0])]
+    log.write_text(
+        "".join(json.dumps({"run": 0, "key": k, "value": v, "step": 0}) + "\n" for k, v in rows)
+    )
+    assert main(["plot", str(tmp_path), "-k", "los", "-k", "x/*"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no scalar key matches -k los -k 'x/*' in {log}; its scalar keys:" in err, err
+    assert "\n  grad/layer0, grad/layer1, loss\n" in err, err  # not `v`, a vector
+    assert "e.g. -k loss, -k 'grad/*'; without -k every key is plotted" in err, err
+    assert str(tmp_path) not in err.replace(str(log), ""), err  # the keys, not a file list
+    assert not list(tmp_path.glob("*.png"))
+    # a vector key alone: no scalar key to suggest
+    assert main(["plot", str(tmp_path), "-k", "v"]) == 2
+    err = capsys.readouterr().err
+    assert "not plotted (values are not scalars): v" in err, err
+    assert "e.g. -k grad/layer0, -k 'grad/*';" in err, err
+    # correct patterns draw as before; without -o, into the directory plotted or beside a file
+    assert main(["plot", str(tmp_path), "-k", "loss", "-k", "grad/*"]) == 0
+    assert main(["plot", str(log), "-k", "loss"]) == 0
+    out = capsys.readouterr().out
+    assert f"wrote {tmp_path / 'curves.png'}: 3 keys, 3 curves from 1 file(s)" in out, out
+    assert f"wrote {tmp_path / 'logs.png'}: 1 keys, 1 curves from 1 file(s)" in out, out
+    assert (tmp_path / "curves.png").read_bytes()[:4] == (tmp_path / "logs.png").read_bytes()[:4]
+    # no scalar key at all
+    (tmp_path / "vec.jsonl").write_text(json.dumps({"run": 0, "key": "v", "value": [1, 2]}))
+    assert main(["plot", str(tmp_path / "vec.jsonl"), "-k", "los"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: no scalar values in {tmp_path / 'vec.jsonl'} (its keys: v)" in err, err
 
 
 def test_plot_cli_version_and_without_matplotlib(tmp_path):
@@ -1005,12 +1093,16 @@ def test_multirun(train_run):
         steps, _ = series(records, "loss")
         assert steps == list(range(0, STEPS, interval))
     assert seen == {1, 10}
+    # each job's last line names the sweep's directory for the plot command, not its own
+    plot = f"next: {sys.executable} -m eqx_logs plot {run.out} -o {run.out / 'curves.png'}"
+    nexts = [line for line in run.stdout.splitlines() if line.startswith("next: ")]
+    assert nexts == [plot, plot], run.stdout
     # the plot command names each run by the overrides that differ (not `0/logs.jsonl`); -k
-    # takes one pattern, so the run directory after it is not taken for a second one
+    # takes one pattern, so the run directory after it is not taken for a second one; the
+    # image goes into the sweep's directory
     image = run.out / "curves.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "eqx_logs", "plot", "-k", "loss", str(run.out)]
-        + ["--logy", "-o", str(image)],
+        [sys.executable, "-m", "eqx_logs", "plot", "-k", "loss", str(run.out), "--logy"],
         capture_output=True,
         text=True,
         env=_env(),
@@ -1047,3 +1139,19 @@ def test_bad_override_exits_with_message(train_run, override, message):
     assert "Traceback" not in output, output
     assert not re.search(r"^loss ", run.stdout, re.M)  # failed before training
     assert not (run.out / "logs.jsonl").exists()
+
+
+SPOOL_ONLY_RUNS = {
+    "reduce": ("logging.reduce=mean", "logging.reduce=mean (window=None) needs the logs spooled"),
+    "first_nonfinite": ("logging.first_nonfinite=true", "first_nonfinite=true needs the logs"),
+}
+
+
+@pytest.mark.parametrize("override, message", SPOOL_ONLY_RUNS.values(), ids=list(SPOOL_ONLY_RUNS))
+def test_a_spool_option_under_stream_exits_with_message(train_run, override, message):
+    """`train.stream=true` taps: what only a spool does is an error, not ignored."""
+    run = train_run("stream_" + re.sub(r"\W", "_", override), override, "train.stream=true")
+    assert run.rc != 0
+    output = run.stdout + run.stderr
+    assert message in output and "train.stream=true" in output, output
+    assert not re.search(r"^loss ", run.stdout, re.M)  # failed before training

@@ -3,6 +3,7 @@ examples run and print what they say, and the strict build passes (a broken link
 cross-reference fails it)."""
 
 import contextlib
+import html as html_module
 import importlib
 import importlib.util
 import inspect
@@ -113,6 +114,48 @@ def test_every_page_is_in_the_nav_and_includes_what_exists():
     assert len(sections) >= 10
 
 
+@pytest.mark.fast
+def test_table_names_link_to_the_api():
+    """docs/_hooks.py's `link_names`: code in a table's first column that names an API entry
+    becomes a link to it; other code, other columns and code blocks are left as they are."""
+    hooks = _hooks()
+    names = hooks.api_names(DOCS)
+    assert {"eqx_logs.log", "eqx_logs.loggers.JsonlLogger", "eqx_logs.config.policy"} <= names
+    text = "\n".join(
+        [
+            "| name | what |",
+            "|---|---|",
+            "| `log(data, /, *, tags=())` | `spool` here stays |",
+            "| `loggers.JsonlLogger`, `TensorBoardLogger`, ... | x |",
+            "| `spool(..., key=None)`, `LogDict.first_nonfinite` | x |",
+            "| `jax.jit(f)`, [`tap`](tap.md) | `a | b` |",
+            "```",
+            "| `log(x)` | in a code block |",
+            "```",
+        ]
+    )
+    out = hooks.link_names(text, names).splitlines()
+    assert out[2] == "| [`log(data, /, *, tags=())`][eqx_logs.log] | `spool` here stays |"
+    assert out[3] == (
+        "| [`loggers.JsonlLogger`][eqx_logs.loggers.JsonlLogger], "
+        "[`TensorBoardLogger`][eqx_logs.loggers.TensorBoardLogger], ... | x |"
+    )
+    assert out[4] == (
+        "| [`spool(..., key=None)`][eqx_logs.spool], "
+        "[`LogDict.first_nonfinite`][eqx_logs.LogDict.first_nonfinite] | x |"
+    )
+    assert out[5:] == text.splitlines()[5:]
+
+
+@pytest.mark.fast
+def test_log_signature_shows_missing():
+    """`log`'s `value` default reads `MISSING` (help(), the API reference), not an object's
+    address or a private name."""
+    value = inspect.signature(eqx_logs.log).parameters["value"]
+    assert repr(value.default) == "MISSING"
+    assert str(value).endswith(" = MISSING")
+
+
 def _expected(code):
     """`print(...)  # expected` comments, in order (text before a ':' only), as
     tests/test_readme.py reads them."""
@@ -150,12 +193,20 @@ def _build(root, site):
     )
 
 
-def test_strict_build(tmp_path):
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    """The site, built once (strict) for the tests that read it: (build result, the built
+    folder, its HTML pages by path)."""
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
-    site = tmp_path / "site"
-    result = _build(ROOT, site)
+    folder = tmp_path_factory.mktemp("docs") / "site"
+    result = _build(ROOT, folder)
+    html = {p.relative_to(folder).as_posix(): p.read_text() for p in folder.rglob("*.html")}
+    return result, folder, html
+
+
+def test_strict_build(site):
+    result, _, html = site
     assert result.returncode == 0, result.stdout + result.stderr
-    html = {p.relative_to(site).as_posix(): p.read_text() for p in site.rglob("*.html")}
     for name in _directives():
         if name != "eqx_logs.config":
             assert any(f'id="{name}"' in text for text in html.values()), name
@@ -166,6 +217,61 @@ def test_strict_build(tmp_path):
         assert "--8<--" not in text, page
     assert html["api/core.html"].count('class="admonition example"') >= 5
     assert 'href="hydra.html#configuration-with-hydra"' in html["getting-started.html"]
+
+
+def _signature(page, name):
+    """The text of `name`'s rendered signature in `page` (tags stripped)."""
+    start = page.index(f'id="{name}"')
+    block = page[start : page.index("</code></pre>", start)]
+    return html_module.unescape(re.sub(r"<[^>]+>", "", block))
+
+
+def test_site_polish(site):
+    """No web fonts, meaningful defaults in signatures, no "this README", the API table's
+    names linked to their entries, and table code that wraps between names only."""
+    result, folder, html = site
+    assert result.returncode == 0, result.stdout + result.stderr
+    for page, text in html.items():
+        # `theme.font: false`: nothing is fetched from a web font host
+        assert "fonts.googleapis" not in text and "fonts.gstatic" not in text, page
+        assert "this README" not in text, page
+    log = _signature(html["api/core.html"], "eqx_logs.log")
+    assert "value: PyTree[ArrayLike] = MISSING," in log and "_MISSING" not in log, log
+    instrument = _signature(html["api/config.html"], "eqx_logs.config.InstrumentConfig")
+    assert "lambda" not in instrument and "DEFAULT_STATS" not in instrument, instrument
+    assert "stats: list[str] = [" in instrument and '"mean"' in instrument, instrument
+    assert "exclude: list[str] = []," in _signature(
+        html["api/config.html"], "eqx_logs.config.PolicyConfig"
+    )
+    assert 'class="doc doc-label doc-label-dataclass' in html["api/config.html"]
+
+    # every name of the API table (README.md's `api` section) links to its API entry
+    page = html["getting-started.html"]
+    start = page.index("<table>")
+    table = page[start : page.index("</table>", start)]
+    rows = re.findall(r"<tr>\s*<td>(.*?)</td>", table, flags=re.S)
+    assert len(rows) >= 14
+    links = 0
+    for cell in rows:
+        codes = re.findall(r"(<a [^>]*>)?<code>([^<]*)</code>", cell)
+        for anchor, code in codes:
+            if code.strip(".") == "":  # the `...` of `loggers.JsonlLogger`, `...`
+                continue
+            assert anchor, f"not linked: {code}"
+            href = re.search(r'href="(api/\w+\.html)#(eqx_logs\.[\w.]+)"', anchor)
+            assert href is not None, anchor
+            assert f'id="{href.group(2)}"' in html[href.group(1)], anchor
+            links += 1
+    assert links >= 25
+    assert 'href="api/core.html#eqx_logs.LogDict.first_nonfinite"' in table
+
+    # code in a table cell wraps at spaces, not inside a name (a table wider than the page
+    # scrolls sideways in the wrapper the theme's script puts around it)
+    css = (folder / "_static" / "custom.css").read_text()
+    rule = re.search(r"\.md-typeset td code[^{]*\{([^}]*)\}", css)
+    assert rule is not None and "word-break: normal" in rule.group(1), css
+    assert "overflow-wrap: normal" in rule.group(1)
+    assert 'href="_static/custom.css"' in html["loggers.html"]
 
 
 def test_strict_build_fails_on_a_broken_reference(tmp_path):

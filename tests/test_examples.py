@@ -88,7 +88,9 @@ def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_pat
 
 def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> list[str]:
     """Run examples/distributed.py (as `processes` processes joined over 127.0.0.1, each
-    writing into `tmp_path/<name><i>`); returns each process's stdout."""
+    writing into `tmp_path/<name><i>`); returns each process's stdout, after checking that
+    its output holds neither JAX's search for a TPU nor XLA's warnings about moving sharded
+    values to the host callback ("Involuntary full rematerialization")."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the example sets the CPU device count itself
     with socket.socket() as s:
@@ -111,6 +113,8 @@ def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> li
         for p in procs:
             out, err = p.communicate(timeout=300)
             assert p.returncode == 0, err[-3000:]
+            assert "rematerialization" not in err, err[-3000:]
+            assert "tpu" not in (out + err).lower(), out + err[-3000:]
             outs.append(out)
     finally:
         for p in procs:
@@ -411,6 +415,9 @@ def test_train_example_first_nonfinite(tmp_path):
         re.M,
     )
     assert m, proc.stdout
+    # one problem, one report: the NaN carries on through the later chunks, unreported
+    assert proc.stderr.count("NonfiniteWarning") == 1, proc.stderr
+    assert "examples/train.py" in proc.stderr.split("NonfiniteWarning")[0].splitlines()[-1]
     step, key, backward = int(m[1]), m[3], m[6] == "backward"
     assert int(m[5]) == step % TRAIN_CHUNK
     records = _by_key(out / "logs.jsonl")

@@ -1,5 +1,5 @@
 """Loggers: JsonlLogger (one line per real event of stacked keys, one per key for other
-reductions, appends, read_jsonl round-trips), ConsoleLogger (aligned lines), `records` on
+reductions, appends, read_jsonl round-trips), ConsoleLogger (a line per step), `records` on
 Window outputs, and `safe_name`. Expected values come from numpy, not from earlier output.
 
 Loggers write on a background thread: every test flushes or closes (`with logger:`) before it
@@ -231,25 +231,85 @@ def test_console_last_only_aligned(capsys):
         return lax.scan(step, 0.0, xs)[0]
 
     lines = console_lines(capsys, ConsoleLogger(last_only=True), spooled(f))
-    rows = check_aligned(lines, ["a", "loss", "grad/layer0"])
-    assert sorted(k for k, _, _ in rows) == ["a", "grad/layer0", "loss"]
+    (row,) = check_aligned(lines)  # one line: the last step's
+    assert list(row) == ["step", "a", "grad/layer0", "loss"], lines
+    assert row["step"] == "7"
     want = {"a": XS[-1], "loss": XS[-1] / 3, "grad/layer0": -XS[-1]}
-    for key, value, steps in rows:
-        assert math.isclose(float(value), want[key], rel_tol=1e-5), (key, value)
-        assert steps == "step=7"
+    for key, value in want.items():
+        assert math.isclose(float(row[key]), value, rel_tol=1e-3), (key, row[key])
+    assert lines == ["step=7  a=7  grad/layer0=-7  loss=2.333"]
 
 
-def test_console_every_event_aligned(capsys):
+def test_console_every_event_a_line_per_step(capsys):
+    """A line per step with every key logged at it (not a block per key), in step order."""
     logs = spooled(conditional)
     assert ConsoleLogger().last_only is False  # every event by default
     lines = console_lines(capsys, ConsoleLogger(last_only=False), logs)
     assert console_lines(capsys, ConsoleLogger(), logs) == lines
-    rows = check_aligned(lines, ["all", "big", "vec"])
-    assert [k for k, _, _ in rows].count("all") == 8
-    assert [(float(v), s) for k, v, s in rows if k == "big"] == [
-        (t, f"step={int(t)}") for t in [3.0, 4.0, 5.0, 6.0, 7.0]
-    ]
+    rows = check_aligned(lines)
+    assert [row["step"] for row in rows] == [str(t) for t in range(8)], lines
+    for t, row in enumerate(rows):
+        want = {"step": str(t), "all": str(t)}
+        if t > 2:
+            want |= {"big": str(t), "vec": f"[{t}, -{t}]"}
+        assert row == want, lines
+    assert lines[0] == "step=0  all=0" and lines[3] == "step=3  all=3  big=3  vec=[3, -3]"
     assert "nan" not in "\n".join(lines)
+
+
+def test_console_decimal_points_line_up(capsys):
+    """Values of different sizes in a column: their decimal points in one column, in one
+    write and in the next ones (the widths are kept per run); 4 significant digits."""
+    xs = np.array([0.5, 123.25, -0.0125, 7.0, 2e-5, 0.25], np.float32)
+
+    def f(xs):
+        def step(c, x):
+            eqx_logs.log({"loss": x, "lr": 0.1 * x, "n": c * 100}, step=c)
+            return c + 1, None
+
+        return lax.scan(step, 0, xs)[0]
+
+    logger = ConsoleLogger()
+    first = console_lines(capsys, logger, spooled(f, xs[:3]))
+    later = console_lines(capsys, logger, spooled(f, xs[3:]))
+    assert first == [
+        "step=0  loss=  0.5       lr= 0.05      n=  0",
+        "step=1  loss=123.2       lr=12.32      n=100",
+        "step=2  loss= -0.0125    lr=-0.00125   n=200",
+    ]
+    rows = check_aligned(first + later)  # the next write keeps the columns
+    assert [float(row["loss"]) for row in rows] == pytest.approx(xs.tolist(), rel=1e-3)
+    assert later[1] == "step=1  loss=  2e-05     lr= 2e-06     n=100", later
+
+
+def test_console_events_without_step_and_repeated_steps(capsys):
+    """Events without a step: a line each, after the stepped ones; a key logged twice at a
+    step: a second line; keys logged at different steps share the lines of their steps."""
+
+    def f(xs):
+        def step(c, x):
+            eqx_logs.log("loss", x, step=c)
+            lax.cond(c % 2 == 0, lambda: eqx_logs.log("even", 10 * x, step=c), lambda: None)
+            eqx_logs.log("lr", 0.5 * x)  # no step
+            return c + 1, None
+
+        def twice():
+            eqx_logs.log("loss", xs[0] + 1, step=0)  # step 0 again
+
+        twice()
+        return lax.scan(step, 0, xs)[0]
+
+    lines = console_lines(capsys, ConsoleLogger(), spooled(f, np.arange(1.0, 4.0)))
+    rows = check_aligned(lines)
+    assert rows == [
+        {"step": "0", "even": "10", "loss": "2"},
+        {"step": "0", "loss": "1"},
+        {"step": "1", "loss": "2"},
+        {"step": "2", "even": "30", "loss": "3"},
+        {"lr": "0.5"},
+        {"lr": "1"},
+        {"lr": "1.5"},
+    ], lines
 
 
 def test_console_reductions(capsys):
@@ -263,11 +323,12 @@ def test_console_reductions(capsys):
         return lax.scan(step, 0, xs)[0]
 
     logs = spooled(f, xs, policy=eqx_logs.Policy(reduce="mean", rules={"m": "max"}))
-    rows = check_aligned(console_lines(capsys, ConsoleLogger(), logs), ["mean_me", "m"])
-    got = {k: (float(v), s) for k, v, s in rows}
-    assert got["mean_me"][0] == pytest.approx(xs.mean(), rel=1e-5)
-    assert got["m"][0] == pytest.approx(9.0)
-    assert all("count=3" in s and "step=2" in s for _, s in got.values())
+    lines = console_lines(capsys, ConsoleLogger(), logs)
+    (row,) = check_aligned(lines)  # the steps, then the count of events, then the keys
+    assert list(row)[:2] == ["step", "count"] and sorted(list(row)[2:]) == ["m", "mean_me"]
+    assert row["step"] == "2" and row["count"] == "3", lines
+    assert float(row["mean_me"]) == pytest.approx(xs.mean(), rel=1e-3)
+    assert float(row["m"]) == pytest.approx(9.0)
 
 
 def windowed(xs, reduce):

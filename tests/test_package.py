@@ -2,10 +2,12 @@
 `pip install .` builds it) holds the licence, `py.typed`, every config group and the Hydra
 plugin that puts them on the search path, and one version; and a Hydra application of a user's
 own, run from the unpacked wheel alone (not the checkout), finds the groups without naming them
-and without importing `eqx_logs.config` itself."""
+and without importing `eqx_logs.config` itself. `make demo` installs what the examples need,
+not the test and docs tools."""
 
 import email
 import os
+import re
 import subprocess
 import sys
 import tomllib
@@ -153,3 +155,95 @@ def test_installed_groups_from_a_users_app(wheel, tmp_path):
     # a misspelt key of a schema: an error at composition, naming it
     err = run("logging.intervall=3", ok=False).stderr
     assert "intervall" in err, err[-2000:]
+
+
+def _make_rules(text: str) -> dict[str, tuple[list[str], list[str]]]:
+    """The Makefile's rules: target -> (prerequisites, recipe lines)."""
+    rules: dict[str, tuple[list[str], list[str]]] = {}
+    current = None
+    for line in text.splitlines():
+        if line.startswith("\t") and current is not None:
+            rules[current][1].append(line.strip())
+        elif m := re.match(r"([^\s:=#][^:=]*):(?!=)(.*)", line):
+            current = m[1].strip()
+            rules[current] = (m[2].split(), [])
+        elif line.strip() and not line.startswith("#"):
+            current = None
+    return rules
+
+
+def _name(requirement: str) -> str:
+    """A requirement's distribution name, normalized (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9._-]+", requirement)[0]).lower()
+
+
+def _imported(path: Path) -> set[str]:
+    """The top-level modules a file imports at module level (not inside functions)."""
+    import ast
+
+    names = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_make_demo_installs_what_the_examples_need_only():
+    """`make demo` installs the package with the `demo` extra, not the test and docs tools of
+    `.[dev]` (which `make test` installs, and which, up to date, the demo uses as they are);
+    and what that installs covers the examples' imports (the package's own module-level ones
+    included) and matplotlib, for the plot command examples/train.py names: each comes from
+    a distribution that the core dependencies and the extra require, directly or through
+    theirs (as the installed distributions' metadata says)."""
+    import importlib.metadata as metadata
+
+    from packaging.requirements import Requirement
+
+    rules = _make_rules((ROOT / "Makefile").read_text())
+    (sentinel,) = rules["demo"][0]
+    assert sentinel != ".venv/.installed", rules["demo"]
+    recipe = " ".join(rules[sentinel][1])
+    installs = re.findall(r"pip install [^;|&]*?-e '\.\[([^\]]*)\]'", recipe)
+    assert installs == ["demo"], recipe
+    assert "test .venv/.installed -nt pyproject.toml ||" in recipe  # a test install serves
+    assert re.findall(r"-e '\.\[([^\]]*)\]'", " ".join(rules[".venv/.installed"][1])) == ["dev"]
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def expand(requirements: list[str]) -> set[str]:  # eqx_logs[plot] -> plot's requirements
+        out = set()
+        for r in requirements:
+            req = Requirement(r)
+            if _name(req.name) == "eqx-logs":
+                out |= expand([x for extra in req.extras for x in extras[extra]])
+            else:
+                out.add(_name(req.name))
+        return out
+
+    direct = expand(project["dependencies"]) | expand(extras["demo"])
+    assert not direct & {"pytest", "hypothesis", "mkdocs", "ruff", "tensorboard", "diffrax"}
+    closure, todo = set(), list(direct)
+    while todo:
+        name = todo.pop()
+        if name in closure:
+            continue
+        closure.add(name)
+        for r in metadata.requires(name) or []:
+            req = Requirement(r)
+            if req.marker is None or req.marker.evaluate({"extra": ""}):
+                todo.append(_name(req.name))
+
+    modules = {"matplotlib"}
+    for path in [*(ROOT / "examples").glob("*.py"), *(ROOT / "eqx_logs").rglob("*.py")]:
+        modules |= _imported(path)
+    modules -= {*sys.stdlib_module_names, "eqx_logs", "__future__"}
+    providers = metadata.packages_distributions()
+    missing = {
+        m: providers.get(m)
+        for m in modules
+        if not {_name(d) for d in providers.get(m, [])} & closure
+    }
+    assert not missing, f"imported, but not installed by `make demo`: {missing}"

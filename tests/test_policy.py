@@ -135,10 +135,14 @@ def test_rules_fnmatch_first_match_wins_and_drop():
     policy = el.Policy(reduce="last", rules={"grad/*": "max", "grad/w": "sum"})
     _, logs = el.spool(train, policy=policy)(XS)
     close(logs["grad/w"], 18.0)
-    # Patterns are case-sensitive and match whole keys.
+    # Patterns are case-sensitive and match whole keys; the likely typos are said
     policy = el.Policy(reduce="last", rules={"LOSS": "drop", "grad": "drop", "?": "drop"})
-    _, logs = el.spool(train, policy=policy)(XS)
+    with pytest.warns(UserWarning, match=r"rules=\{'LOSS': ...\}.*did you mean 'loss'") as got:
+        _, logs = el.spool(train, policy=policy)(XS)
     assert "loss" in logs and "grad/w" in logs
+    said = [str(w.message) for w in got]
+    assert any("rules={'grad': ...}" in m and "mean 'grad/" in m for m in said), said
+    assert not any("'?'" in m for m in said), said  # resembles nothing: silent
 
 
 def test_rule_reductions_may_be_modules_and_apply_per_key():

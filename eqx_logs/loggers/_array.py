@@ -1,3 +1,4 @@
+import json
 import os
 import re
 import zipfile
@@ -11,12 +12,14 @@ from ._base import (
     Record,
     flat_items,
     host_array,
+    process_path,
     process_suffix,
     steps_of,
     unique_name,
 )
 
 _FILE = re.compile(r"^(\d+)\.npz$")
+_CONFIG_WRITTEN = "array-config-written"  # `Writer.memo`'s key
 
 
 class ArrayLogger(AbstractLogger):
@@ -30,6 +33,10 @@ class ArrayLogger(AbstractLogger):
     called creates nothing. Read back with [`eqx_logs.loggers.read_arrays`][] (which never
     unpickles).
 
+    With `config=` (see [`eqx_logs.loggers.AbstractLogger`][]), the config is written as JSON
+    to `path/config.json`, beside the runs, when the logger opens its first run (replacing
+    what an earlier logger wrote there).
+
     **Arguments:**
 
     - `path`: the directory.
@@ -39,6 +46,15 @@ class ArrayLogger(AbstractLogger):
 
     def _open(self, run: int) -> dict[str, int]:
         os.makedirs(self._run_dir(run), exist_ok=True)  # a run without events reads as {}
+        memo = self._writer.memo
+        if self.config is not None and not memo.get(_CONFIG_WRITTEN):
+            name = process_path(os.path.join(self.path, "config.json"), self.every_process)
+            with open(name + ".tmp", "w") as f:
+                json.dump(self.config, f, indent=2)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(name + ".tmp", name)
+            memo[_CONFIG_WRITTEN] = True
         return {}  # key -> next file index
 
     def _run_dir(self, run: int) -> str:

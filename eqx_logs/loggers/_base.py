@@ -6,7 +6,6 @@ import hashlib
 import math
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal, TypeVar
 
@@ -19,9 +18,12 @@ from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
 from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
-from .._spool import spool as _spool, update_wrapper
-from .._tap import tap_with
+from .._retrace import fun_key, note_compile
+from .._spool import build, build_wrapper, spool as _spool
+from .._tap import check_tap_options, tap_with
+from .._warn import warn_user
 from ._packed import Packed, pack, stand_in, unpack
+from ._run_config import RunConfig, as_config
 from ._writer import ON_FULL, STALL_TIMEOUT, Writer
 
 _T = TypeVar("_T")
@@ -67,7 +69,7 @@ def records(
         if key in logs.rows and leaves:  # an event axis: a record per real event or window
             length = leaves[0].shape[0]
             if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
-                (warn or _warn)(
+                (warn or warn_user)(
                     f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
                     f"holds {int(np.max(logs.rows[key]))}: the rest are not written. With "
                     "`interval`, this happens when the logged `step` repeats; pass "
@@ -87,8 +89,7 @@ def records(
             yield {"key": key, "value": value, "count": count, **steps}
 
 
-def _warn(message: str, category: type[Warning]) -> None:
-    warnings.warn(message, category, stacklevel=4)
+_NONFINITE_RUNS = "nonfinite-runs"  # `Writer.memo`'s key: the runs reported non-finite
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -301,11 +302,30 @@ class AbstractLogger(eqx.Module):
     files or runs named with `.process<k>`. With `every_process=True`, every process writes
     every event, each to its own `.process<k>` files or runs.
 
+    A logger made with `config=` records that configuration (the run's hyperparameters: a
+    nested dict, an OmegaConf `DictConfig`, resolved, or a dataclass instance) with every run
+    it opens, where its backend keeps one, so that runs can be compared in its UI: W&B's run
+    config, trackio's run config, MLflow's params (flattened, `train.lr`; values cut to 500
+    characters, the whole config also as the artifact `config.json`), TensorBoard's hparams
+    (flattened; the HParams dashboard), a first JSONL line `{"config": {...}}` (which
+    `read_jsonl` skips), `config.json` beside an `ArrayLogger`'s runs. The console and the
+    progress bar show none. It is kept as plain JSON values (`logger.config`): values that are
+    not JSON (a path, a function) as their `str`, NaN as `"nan"`.
+
+    ```python
+    logger = JsonlLogger("run.jsonl", config={"train": {"lr": 1e-3, "width": 32}})
+    ```
+
+    With Hydra, [`eqx_logs.config.instantiate_logger`][] records the whole resolved config.
+    The config is recorded on the writer thread when a run is opened (before its first
+    event), so neither the constructor nor the training loop waits for the backend.
+
     Subclasses implement `_open(run) -> handle`, `_write(handle, run, records)` and optionally
-    `_close(handle)`; all three run on the writer thread.
+    `_close(handle)`; all three run on the writer thread (`_open` records `self.config`).
 
     **Arguments** (keyword-only, for every logger):
 
+    - `config`: the configuration to record with every run (see above); `None`: none.
     - `every_process`: over many processes, every process writes a copy of its own
         (`.process<k>`), not process 0 alone.
     - `on_full`: when the writes waiting for the backend hold more than 256 MiB: `"block"`
@@ -322,6 +342,8 @@ class AbstractLogger(eqx.Module):
     """
 
     # keyword-only, so that backends' own fields may come without defaults before it
+    # (`config`: not static, so a logger passed to `eqx.filter_jit` stays hashable)
+    config: RunConfig | None = eqx.field(default=None, kw_only=True, converter=as_config)
     every_process: bool = eqx.field(default=False, static=True, kw_only=True)
     on_full: Literal["block", "drop"] = eqx.field(default="block", static=True, kw_only=True)
     stall_timeout: float | None = eqx.field(default=STALL_TIMEOUT, static=True, kw_only=True)
@@ -405,7 +427,7 @@ class AbstractLogger(eqx.Module):
             across=across,
             first_nonfinite=first_nonfinite,
         )
-        return update_wrapper(_LoggerSpooled(self, _spool(fun, policy=policy, keep=keep), state))
+        return build_wrapper(_LoggerSpooled, self, _spool(fun, policy=policy, keep=keep), state)
 
     def tap(
         self,
@@ -418,14 +440,15 @@ class AbstractLogger(eqx.Module):
         tags: Any = None,
         exclude: Any = None,
         prefix: str | None = None,
+        **spool_only: Any,
     ) -> Callable[..., _T]:
         """`fun`, tapped as by [`eqx_logs.tap`][]: each event is written to `state`'s run as it
         happens (`interval=k` writes every k-th event of each key, gated on the device)."""
+        check_tap_options("logger.tap", spool_only)
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
-        return update_wrapper(
-            _LoggerTapped(self, tap_with(fun, policy, self._tap_host, state, self.every_process))
-        )
+        tapped = tap_with(fun, policy, self._tap_host, state, self.every_process)
+        return build_wrapper(_LoggerTapped, self, tapped)
 
     def jit(
         self,
@@ -488,8 +511,8 @@ class AbstractLogger(eqx.Module):
             first_nonfinite=first_nonfinite,
         )
         spooled = _spool(fun, policy=policy, keep=keep)
-        jitted = eqx.filter_jit(_Packing(spooled), donate=donate)
-        return update_wrapper(_LoggerJitted(self, spooled, jitted, state))
+        jitted = build(eqx.filter_jit, build(_Packing, spooled), donate=donate)
+        return build_wrapper(_LoggerJitted, self, spooled, jitted, state)
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
@@ -519,6 +542,14 @@ class AbstractLogger(eqx.Module):
 
     def __enter__(self):
         return self
+
+    def _with_config(self, config: Any) -> "AbstractLogger":
+        """This logger, recording `config` if it records none of its own: a copy that shares
+        its writer (and so its queue and runs)."""
+        if self.config is not None or config is None:
+            return self
+        config = as_config(config)
+        return eqx.tree_at(lambda logger: logger.config, self, config, is_leaf=_is_none)
 
     def __exit__(self, *exc):
         self.close()
@@ -630,7 +661,15 @@ class AbstractLogger(eqx.Module):
             if rows or run not in writer.handles:
                 type(self)._write_run(self, (run, rows))
             if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
-                writer.notify(f"{type(self).__name__} (run {run}): {event}", NonfiniteWarning)
+                # one report per run: a NaN carries on through the steps after it
+                reported = writer.memo.setdefault(_NONFINITE_RUNS, set())
+                if run not in reported:
+                    reported.add(run)
+                    writer.notify(
+                        f"{type(self).__name__} (run {run}): {event}. Later non-finite "
+                        "values of this run are not reported.",
+                        NonfiniteWarning,
+                    )
 
     def _write_run(self, item: tuple[int, list[Record]]) -> None:
         run, rows = item
@@ -644,6 +683,10 @@ class AbstractLogger(eqx.Module):
         while handles:
             _, handle = handles.popitem()
             self._close(handle)
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | None) -> None:
@@ -766,7 +809,9 @@ class _LoggerSpooled(eqx.Module):
 class _Packing(eqx.Module):
     spooled: Callable
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args, **kwargs):  # traced by `eqx.filter_jit`
+        fun = self.spooled.__wrapped__
+        note_compile("logger.jit", fun_key(fun), fun, args, kwargs)
         out, logs = self.spooled(*args, **kwargs)
         return out, pack(logs)
 

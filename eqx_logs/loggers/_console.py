@@ -1,3 +1,5 @@
+import math
+import re
 import sys
 from typing import Any
 
@@ -6,41 +8,124 @@ import numpy as np
 from ._base import AbstractLogger, Record, steps_of
 
 
+def _float(x: Any) -> str:
+    return f"{x:.4g}"
+
+
 def _fmt(value: Any) -> str:
+    """A value as text: a scalar with 4 significant digits (integers in full), a small array
+    as its entries, a larger one as its type and mean, a dict as its items."""
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {_fmt(v)}" for k, v in value.items()) + "}"
     arr = np.asarray(value)
     if arr.ndim == 0:
-        return f"{arr.item():.6g}" if np.issubdtype(arr.dtype, np.floating) else str(arr.item())
+        return _float(arr.item()) if np.issubdtype(arr.dtype, np.floating) else str(arr.item())
     if arr.size <= 6:
-        return np.array2string(arr, precision=4, separator=", ")
+        return np.array2string(arr, separator=", ", formatter={"float_kind": _float})
     mean = np.nanmean(arr) if np.issubdtype(arr.dtype, np.number) else float("nan")
     return f"{arr.dtype}{list(arr.shape)} mean={mean:.4g}"
 
 
+# Room after a float's decimal point, from its column's first fraction on: 4 significant
+# digits of any number from 0.001 up (`.001234`) fit, so that the points line up at once.
+_FRACTION = 7
+
+
+def _cell(value: Any) -> tuple[str, str, int]:
+    """A value's text split at its decimal point (or exponent), for aligning the points of a
+    column: `0.1667` -> (`0`, `.1667`), `500` -> (`500`, ``), `1e-05` -> (`1`, `e-05`); other
+    text (arrays, `nan`) is all left part, so it is right-aligned. Also the least room after
+    the point (`_FRACTION` where there is a fraction)."""
+    text = _fmt(value)
+    m = re.fullmatch(r"(-?[0-9]+)([.e].*)?", text)
+    if m is None:
+        return text, "", 0
+    return m[1], m[2] or "", _FRACTION if m[2] else 0
+
+
+def _identity(value: Any) -> tuple[Any, ...]:
+    """A step value as a dict key (exactly, for any array)."""
+    arr = np.asarray(value)
+    return (arr.dtype.str, arr.shape, arr.tobytes())
+
+
+def _position(value: Any) -> float:
+    """Where a line with this step value goes among the others (unordered values last)."""
+    arr = np.asarray(value)
+    if arr.size == 1 and (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
+        x = float(np.real(arr.reshape(())))
+        return x if not math.isnan(x) else math.inf
+    return math.inf
+
+
+def _lines(records: list[Record]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Records as lines, `(steps, values)`: the events of one step (the same step values, and
+    the same `count` for reduced keys) on one line, a key at most once per line (a key's
+    second event at a step, or its second event without a step, starts another), lines in
+    step order, those without a step last."""
+    groups: dict[tuple[Any, ...], tuple[dict[str, Any], dict[str, Any]]] = {}
+    seen: dict[tuple[Any, ...], int] = {}
+    for r in records:
+        steps = steps_of(r)
+        at = tuple((name, _identity(v)) for name, v in steps.items())
+        n = seen[at, r["key"]] = seen.get((at, r["key"]), -1) + 1
+        groups.setdefault((at, n), (steps, {}))[1][r["key"]] = r["value"]
+
+    def order(item: tuple[tuple[Any, ...], tuple[dict[str, Any], dict[str, Any]]]) -> Any:
+        (_, n), (steps, _) = item
+        names = tuple(name for name in steps if name != "count")
+        return (not names, names, [_position(steps[name]) for name in names], n)
+
+    out = []
+    for _, (steps, values) in sorted(groups.items(), key=order):
+        # the step names first, then the count (of reduced keys), then the keys
+        ordered = {k: v for k, v in steps.items() if k != "count"}
+        if "count" in steps:
+            ordered["count"] = steps["count"]
+        out.append((ordered, values))
+    return out
+
+
 class ConsoleLogger(AbstractLogger):
-    """Prints aligned lines to stdout, `key  value  step=...`, prefixed by `[run r]` for runs
-    other than 0.
+    """Prints a line per step to stdout, `step=5  loss=0.1667  grad/layer0=500`: the step
+    values, the count of reduced keys, then every key logged at that step, prefixed by
+    `[run r]` for runs other than 0. Numbers have 4 significant digits and a column per
+    name, so that their decimal points line up from one line to the next (the columns widen
+    as wider values come). Events without a step go on lines of their own, after the others.
+
+    ```
+    step=  0  grad/layer0=0.06229   grad/layer1=0.4106    grad/layer2=0.5984    loss=0.2783
+    step=100  grad/layer0=0.04327   grad/layer1=0.07802   grad/layer2=0.06296   loss=0.1876
+    step=900  grad/layer0=0.009021  grad/layer1=0.009544  grad/layer2=0.004107  loss=0.009483
+    ```
 
     **Arguments:**
 
     - `last_only`: print only the latest event of each key of each spooled call (tapped events
-        are always printed one by one).
+        are always printed one by one): a line per call where the keys share their step.
     """
 
     last_only: bool = False
 
-    def _open(self, run: int) -> None:
-        return None
+    def _open(self, run: int) -> dict[str, tuple[int, int]]:
+        # each name's column: the widths of the parts before and after the decimal point
+        return {}
 
-    def _write(self, handle: None, run: int, records: list[Record]) -> None:
+    def _write(self, handle: dict[str, tuple[int, int]], run: int, records: list[Record]) -> None:
         if self.last_only:
             records = list({r["key"]: r for r in records}.values())
-        width = max((len(r["key"]) for r in records), default=0)
-        values = [_fmt(r["value"]) for r in records]
-        value_width = max((len(v) for v in values), default=0)
+        rows = [
+            [(name, _cell(v)) for name, v in (*steps.items(), *values.items())]
+            for steps, values in _lines(records)
+        ]
+        for row in rows:  # widen the columns first, so that this write's lines line up too
+            for name, (left, right, room) in row:
+                width = handle.get(name, (0, 0))
+                handle[name] = (max(width[0], len(left)), max(width[1], len(right), room))
         tag = f"[run {run}] " if run else ""
-        for r, value in zip(records, values):
-            steps = "  ".join(f"{k}={_fmt(v)}" for k, v in steps_of(r).items())
-            line = f"{tag}{r['key']:<{width}}  {value:>{value_width}}  {steps}"
-            print(line.rstrip(), file=sys.stdout, flush=True)
+        for row in rows:
+            fields = []
+            for name, (left, right, _) in row:
+                before, after = handle[name]
+                fields.append(f"{name}={left:>{before}}{right:<{after}}")
+            print((tag + "  ".join(fields)).rstrip(), file=sys.stdout, flush=True)

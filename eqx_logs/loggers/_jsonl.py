@@ -17,6 +17,10 @@ class JsonlLogger(AbstractLogger):
     `fsync_every` seconds and on close, so a crash of the machine loses at most that long.
     Read it back with [`eqx_logs.loggers.read_jsonl`][].
 
+    With `config=` (see [`eqx_logs.loggers.AbstractLogger`][]), the logger writes the line
+    `{"config": {...}}` before its first record: the first line of a new file (a logger
+    appending to a file writes its own, further down). `read_jsonl` skips these lines.
+
     **Arguments:**
 
     - `path`: the file; its directory is created.
@@ -30,7 +34,13 @@ class JsonlLogger(AbstractLogger):
         path = process_path(self.path, self.every_process)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         _drop_torn_line(path)
-        return open(path, "a"), [time.monotonic()]
+        file = open(path, "a")
+        written = self._writer.memo.setdefault(_CONFIG_WRITTEN, set())
+        if self.config is not None and path not in written:  # once: the runs share the file
+            written.add(path)
+            file.write(json.dumps({"config": self.config}) + "\n")
+            file.flush()
+        return file, [time.monotonic()]
 
     def _write(self, handle: tuple[IO[str], list[float]], run: int, records: list[Record]):
         file, synced = handle
@@ -47,6 +57,7 @@ class JsonlLogger(AbstractLogger):
         file.close()
 
 
+_CONFIG_WRITTEN = "jsonl-config-written"  # `Writer.memo`'s key: the files given the config
 _CHUNK = 1 << 16  # read backwards from the end in pieces this big
 
 
@@ -83,9 +94,10 @@ def _drop_torn_line(path: str) -> None:
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
     """The records of a JsonlLogger file (non-finite floats come back as 'nan'/'inf' strings).
-    A last line cut short by a crash is skipped; any other line that is not a record, and any
-    line that is not UTF-8 text (a binary file), raises `ValueError` naming the file and the
-    line."""
+    The lines that hold a logger's config (`{"config": {...}}`, the first line of a file
+    written with `config=`) are not records, and are skipped. A last line cut short by a
+    crash is skipped; any other line that is not a record, and any line that is not UTF-8
+    text (a binary file), raises `ValueError` naming the file and the line."""
     out = []
     # undecodable bytes become lone surrogates, found line by line (a strict decoder fails
     # on a chunk of the file, before the lines that precede the bad byte in it)
@@ -101,10 +113,12 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                 if not line.endswith("\n"):
                     continue  # cut short by a crash: the record was never written
                 raise ValueError(f"{os.fspath(path)}, line {number}: not JSON ({e.msg}).") from None
+            if isinstance(record, dict) and record.keys() == {"config"}:
+                continue  # the logger's config, not an event
             if not isinstance(record, dict) or not {"run", "key", "value"} <= record.keys():
                 raise ValueError(
                     f"{os.fspath(path)}, line {number}: not a JsonlLogger record (an object "
-                    f"with 'run', 'key' and 'value'): {line.strip()[:80]!r}."
+                    f"with 'run', 'key' and 'value', or a config line): {line.strip()[:80]!r}."
                 )
             out.append(record)
     return out

@@ -16,6 +16,7 @@ from ._base import (
     require,
     unique_name,
 )
+from ._run_config import RunConfig, flat_config
 
 _BAD = re.compile(r"[^\w./\- ]+")
 _LEADING_DOTS = re.compile(r"^\.+")
@@ -45,6 +46,11 @@ class MLflowLogger(AbstractLogger):
     - `artifact_location`: where a new experiment keeps its artifacts (MLflow's default is
         `./mlruns` for a database store).
     - `step`: the step name used as MLflow's step.
+    - `config`: the run's configuration (keyword-only; see
+        [`eqx_logs.loggers.AbstractLogger`][]), recorded as the run's params, flattened with
+        dotted keys (`train.lr`; lists as JSON text), in batches of 100. A value longer than
+        500 characters (what older MLflow servers keep) is cut to 500, ending in `...`; the
+        whole config is also saved as the run's artifact `config.json`.
     """
 
     tracking_uri: str
@@ -69,7 +75,10 @@ class MLflowLogger(AbstractLogger):
         mlflow_run = client.create_run(
             experiment_id, run_name=f"{self.run_name}-{run}{process_suffix(self.every_process)}"
         )
-        return client, mlflow_run.info.run_id, {}
+        run_id = mlflow_run.info.run_id
+        if self.config is not None:
+            _log_config(client, run_id, self.config)
+        return client, run_id, {}
 
     def _unstorable(self, leaf: np.ndarray) -> str | None:
         if np.iscomplexobj(leaf) and is_scalar(leaf):  # arrays are .npy artifacts
@@ -99,3 +108,23 @@ class MLflowLogger(AbstractLogger):
     def _close(self, handle: tuple[Any, str, dict[str, int]]) -> None:
         client, run_id, _ = handle
         client.set_terminated(run_id)
+
+
+# What every MLflow server accepts: 500 characters a param value (6000 on recent servers), 100
+# params a `log_batch`.
+_PARAM_VALUE, _PARAMS_PER_BATCH = 500, 100
+
+
+def _log_config(client: Any, run_id: str, config: RunConfig) -> None:
+    """`config` as the params of run `run_id` (flattened, names made safe by `metric_name`,
+    values cut to `_PARAM_VALUE` characters), and whole as the artifact `config.json`."""
+    entities = require("mlflow.entities", "mlflow", "MLflowLogger")
+    params = []
+    for key, value in flat_config(config).items():
+        text = value if isinstance(value, str) else str(value)
+        if len(text) > _PARAM_VALUE:
+            text = text[: _PARAM_VALUE - 3] + "..."
+        params.append(entities.Param(metric_name(key), text))
+    for i in range(0, len(params), _PARAMS_PER_BATCH):
+        client.log_batch(run_id, params=params[i : i + _PARAMS_PER_BATCH])
+    client.log_dict(run_id, config, "config.json")

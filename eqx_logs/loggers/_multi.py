@@ -1,10 +1,11 @@
 import threading
-import warnings
 from typing import Any
 
 import equinox as eqx
 
+from .._warn import warn_user
 from ._base import AbstractLogger, LoggerState, Record
+from ._run_config import as_config
 from ._writer import Writer, WriterError, WriterWarning
 
 
@@ -33,19 +34,29 @@ class MultiLogger(AbstractLogger):
     **Arguments:**
 
     - `*loggers`: the loggers to write to.
+    - `config`: the run's configuration, recorded by each of `loggers` that was not given
+        one of its own (see [`eqx_logs.loggers.AbstractLogger`][]); `self.loggers` holds
+        those loggers with it (copies that share their writers).
     """
 
     loggers: tuple[AbstractLogger, ...]
     _isolated: _Isolated = eqx.field(static=True, repr=False, init=False)
 
-    def __init__(self, *loggers: AbstractLogger):
+    def __init__(self, *loggers: AbstractLogger, config: Any = None):
         for logger in loggers:
             if not isinstance(logger, AbstractLogger):
                 raise TypeError(f"MultiLogger takes loggers, got {logger!r}.")
-        self.loggers = loggers
+        config = as_config(config)
+        self.loggers = tuple(type(logger)._with_config(logger, config) for logger in loggers)
+        self.config = config
         self.every_process = any(logger.every_process for logger in loggers)
         self._writer = Writer("MultiLogger")
         self._isolated = _Isolated()
+
+    def _with_config(self, config: Any) -> "MultiLogger":
+        if self.config is not None or config is None:
+            return self
+        return MultiLogger(*self.loggers, config=config)
 
     def _open(self, run: int) -> None:
         return None
@@ -91,11 +102,10 @@ class MultiLogger(AbstractLogger):
             if index in self._isolated.warned:
                 return
             self._isolated.warned.add(index)
-        warnings.warn(
+        warn_user(
             f"MultiLogger: logger {index} ({type(logger).__name__}) failed and is isolated; the "
             f"other loggers keep writing. {error} This failure lost {error.lost} write(s) of "
             f"{type(logger).__name__}; later failures of it are counted, and flush() and "
             "close() report every write it lost.",
             WriterWarning,
-            stacklevel=4,
         )

@@ -19,6 +19,7 @@ from ._base import (
     process_suffix,
     require,
 )
+from ._run_config import flat_config
 
 
 @functools.cache
@@ -45,7 +46,7 @@ class _EventFile:
         from tensorboardX.record_writer import masked_crc32c
 
         self._event, self._summary, self._crc = event_pb2.Event, summary_pb2.Summary, masked_crc32c
-        self._histogram = tbx.summary.histogram
+        self._histogram, self._hparams = tbx.summary.histogram, tbx.summary.hparams
         os.makedirs(directory, exist_ok=True)
         for _ in range(100):
             try:
@@ -72,6 +73,11 @@ class _EventFile:
         summary = self._histogram(tag, values, _tensorflow_bins())
         summary.value[0].tag = tag  # as the key is: tensorboardX would rewrite some characters
         self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def hparams(self, values: dict[str, str | bool | int | float]) -> None:
+        """The HParams plugin's session start info: `values` as this run's hparams."""
+        summary = self._hparams(values, {})[1]  # (experiment, session start, session end)
+        self._write(self._event(wall_time=time.time(), summary=summary))
 
     def flush(self) -> None:
         self.file.flush()
@@ -134,6 +140,10 @@ class TensorBoardLogger(AbstractLogger):
     - `logdir`: the directory (`tensorboard --logdir` it).
     - `step`: the step name to use as the global step.
     - `fsync_every`: seconds between fsyncs (0: after every write).
+    - `config`: the run's configuration (keyword-only; see
+        [`eqx_logs.loggers.AbstractLogger`][]), written to each run as its hparams (the
+        HParams dashboard's session start info), flattened with dotted keys (`train.lr`;
+        lists as JSON text). TensorBoard infers the experiment from the runs' hparams.
     """
 
     logdir: str = eqx.field(converter=os.fspath)
@@ -148,7 +158,11 @@ class TensorBoardLogger(AbstractLogger):
 
     def _open(self, run: int) -> tuple[_EventFile, dict[str, _EventFile], dict[str, int]]:
         rundir = os.path.join(self.logdir, f"run_{run}{process_suffix(self.every_process)}")
-        return _EventFile(rundir, self.fsync_every), {}, {}
+        events = _EventFile(rundir, self.fsync_every)
+        if self.config is not None:
+            events.hparams(flat_config(self.config))
+            events.flush()
+        return events, {}, {}
 
     def _write(self, handle, run: int, records: list[Record]) -> None:
         events, side, counters = handle

@@ -47,8 +47,9 @@ class TrackioLogger(AbstractLogger):
 
     - `project`: the trackio project.
     - `name`: the run name prefix and the runs' group.
-    - `config`: the run's configuration (recorded with each run; keys must not start with
-        `_`, which trackio reserves).
+    - `config`: the run's configuration, recorded as each trackio run's config
+        (keyword-only; see [`eqx_logs.loggers.AbstractLogger`][]). Its top-level keys must
+        not start with `_`, which trackio reserves.
     - `dir`: trackio's directory (see above); `None` keeps trackio's.
     - `step`: the step name used as trackio's step.
     - `system_metrics`: also let trackio sample CPU and GPU metrics (a thread per run).
@@ -65,19 +66,13 @@ class TrackioLogger(AbstractLogger):
 
     project: str = "eqx_logs"
     name: str = "eqx_logs"
-    config: dict[str, Any] | None = eqx.field(default=None, static=True)
     dir: str | None = None
     step: str = "step"
     system_metrics: bool = False
     _runs: _RunIds = eqx.field(static=True, default_factory=_RunIds, repr=False, init=False)
 
     def __check_init__(self):
-        reserved = [k for k in self.config or {} if str(k).startswith("_")]
-        if reserved:
-            raise ValueError(
-                f"TrackioLogger: config keys {reserved} start with '_', which trackio reserves "
-                "for its own entries; rename them."
-            )
+        _check_reserved(self.config)
         if self.dir is not None and "trackio" not in sys.modules:
             os.environ["TRACKIO_DIR"] = os.path.abspath(self.dir)
         utils = require("trackio.utils", "trackio", "TrackioLogger")
@@ -91,6 +86,7 @@ class TrackioLogger(AbstractLogger):
 
     def _open(self, run: int) -> Any:
         trackio = require("trackio", "trackio", "TrackioLogger")
+        _check_reserved(self.config)  # (a config given by a MultiLogger, unchecked till now)
         resume = "allow" if run in self._runs.opened else "never"
         # trackio.init finishes the "current" run of the calling context: each run is made in
         # a context of its own, so that the runs of one logger (one per vmap lane) stay open
@@ -122,3 +118,12 @@ class TrackioLogger(AbstractLogger):
 
     def _close(self, handle: Any) -> None:
         handle.finish()  # waits for trackio's own writer thread
+
+
+def _check_reserved(config: dict[str, Any] | None) -> None:
+    reserved = [k for k in config or {} if k.startswith("_")]
+    if reserved:
+        raise ValueError(
+            f"TrackioLogger: config keys {reserved} start with '_', which trackio reserves "
+            "for its own entries; rename them."
+        )

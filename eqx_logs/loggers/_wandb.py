@@ -1,7 +1,6 @@
 import os
 from typing import Any
 
-import equinox as eqx
 import numpy as np
 
 from ._base import (
@@ -25,8 +24,10 @@ class WandbLogger(AbstractLogger):
 
     **Arguments:**
 
-    - `project`, `name`, `dir`, `mode`, `config`: passed to `wandb.init` (the run name gets a
+    - `project`, `name`, `dir`, `mode`: passed to `wandb.init` (the run name gets a
         `-<run>` suffix).
+    - `config`: the run's configuration, passed to `wandb.init` as the W&B run's config
+        (keyword-only; see [`eqx_logs.loggers.AbstractLogger`][]).
     - `step`: the step name used as W&B's step.
     """
 
@@ -34,7 +35,6 @@ class WandbLogger(AbstractLogger):
     name: str = "eqx_logs"
     dir: str | None = None
     mode: str | None = None
-    config: dict[str, Any] | None = eqx.field(default=None, static=True)
     step: str = "step"
 
     def __check_init__(self):

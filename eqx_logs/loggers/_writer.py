@@ -3,13 +3,13 @@
 import atexit
 import collections
 import dataclasses
-import sys
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any, Literal
+
+from .._warn import warn_user
 
 _live: "weakref.WeakSet[Writer]" = weakref.WeakSet()
 
@@ -70,18 +70,6 @@ class WriteReport:
         return f"{self.lost} of {self.writes} write(s) were not written" + (
             f": {detail}" if detail else ""
         )
-
-
-# Frames a warning is not attributed to: eqx_logs, and Equinox's calls of a module's methods.
-_INSIDE = ("eqx_logs.", "equinox._module")
-
-
-def warn_outside(message: str, category: type[Warning]) -> None:
-    """`warnings.warn`, attributed to the first frame outside eqx_logs: the user's call."""
-    frame, level = sys._getframe(0), 1
-    while frame is not None and frame.f_globals.get("__name__", "").startswith(_INSIDE):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
 
 
 class Writer:
@@ -237,7 +225,7 @@ class Writer:
             else:
                 self._append(write, item, size, always, time.monotonic())
         if message is not None:
-            warnings.warn(message, WriterWarning, stacklevel=4)
+            warn_user(message, WriterWarning)
 
     def _append(self, write, item, size: int, always: bool, now: float) -> None:
         if self._done >= self._submitted:  # idle until now: the stall clock starts here
@@ -309,12 +297,11 @@ class Writer:
                         self._stalled_since = None
                     self._changed.notify_all()
             if recovered is not None:
-                warnings.warn(
+                self.notify(
                     f"{self.name}: the backend made progress again after {recovered:.1f} s "
                     "stalled; writes are queued again (flush() and close() report how many "
                     "were dropped).",
                     WriterWarning,
-                    stacklevel=2,
                 )
 
     def _enough(self) -> bool:
@@ -349,7 +336,7 @@ class Writer:
         with self._changed:
             notices, self._notices = self._notices, []
         for message, category in notices:
-            warn_outside(message, category)
+            warn_user(message, category)
         with self._changed:
             error, skipped, lost = self._error, self._skipped, self._error_lost
             if error is None:
@@ -422,13 +409,13 @@ class Writer:
     def _report(self) -> None:
         report = self.report()
         if report.lost:
-            warnings.warn(f"{self.name}: {report}.", WriterWarning, stacklevel=3)
+            warn_user(f"{self.name}: {report}.", WriterWarning)
 
     def flush(self) -> None:
         """Wait until everything submitted so far is written (at most until the backend
         stalls), report what was lost (`WriterWarning`), then `check`."""
         if not self._wait() and (message := self._gave_up("flush", abandon=False)):
-            warnings.warn(message, WriterWarning, stacklevel=2)
+            warn_user(message, WriterWarning)
         self._report()
         self.check()
 
@@ -441,7 +428,7 @@ class Writer:
             self._put(lambda _: finish(), None, 0, always=True)
         written = self._wait()
         if not written and (message := self._gave_up("close", abandon=True)):
-            warnings.warn(message, WriterWarning, stacklevel=2)
+            warn_user(message, WriterWarning)
         with self._changed:
             self._closed = True
             self._changed.notify_all()
