@@ -564,8 +564,9 @@ class Interpreter:
             return None
         names = ", ".join(f"{k!r} ({n} per call)" for k, n in list(stepless.items())[:4])
         more = f" and {len(stepless) - 4} more" if len(stepless) > 4 else ""
+        verb = "is" if len(stepless) == 1 else "are"
         return (
-            f"{who}(interval={period}): {names}{more} are logged without a `step`, while "
+            f"{who}(interval={period}): {names}{more} {verb} logged without a `step`, while "
             f"{stepped[0]!r} carries one. `interval` keeps an event with a step where the step "
             f"is a multiple of {period}, and numbers the others within each call (events 0, "
             f"{period}, {2 * period}, ... of the call): called once per training step, each "

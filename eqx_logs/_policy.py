@@ -254,7 +254,7 @@ def unmatched(
             "does not select pass to an enclosing one, or are dropped."
         )
     for tag in policy.exclude:
-        if tag not in tags and (near := _near(tag, seen, lambda t, x: t.lower() == x.lower())):
+        if tag not in tags and (near := _near(tag, seen, _same_tag)):
             found.append(
                 f"{who}(exclude={tag!r}): no event traced carries that tag; did you mean "
                 f"{near!r}? The tags logged are {seen}."
@@ -262,7 +262,11 @@ def unmatched(
     for pattern, _ in policy.rules:
         if any(fnmatch.fnmatchcase(k, pattern) for k in keys):
             continue
-        if near := _near(pattern, sorted(keys), lambda p, x: fnmatch.fnmatch(x.lower(), p.lower())):
+        if any(fnmatch.fnmatchcase(k, pattern + "/*") for k in keys):
+            near = pattern + "/*"  # `"grad"` for the keys under `grad/`
+        else:
+            near = _near(pattern, sorted(keys), _matches)
+        if near:
             found.append(
                 f"{who}(rules={{{pattern!r}: ...}}): the pattern matches none of the keys "
                 f"kept; did you mean {near!r}? Patterns are `fnmatch` patterns matched case by "
@@ -271,12 +275,25 @@ def unmatched(
     return found
 
 
+def _same_tag(tag: str, logged: str) -> bool:
+    return tag.lower() == logged.lower()
+
+
+def _matches(pattern: str, key: str) -> bool:
+    return fnmatch.fnmatchcase(key, pattern)
+
+
 def _near(word: str, among: list[str], same: Any) -> str | None:
-    """The first of `among` that `same(word, it)` or that is spelt close to `word`."""
+    """The first of `among` that `word` is a likely typo of: the same but for case (`same`
+    compares lowercased), or with one character too many (`"grads/*"`), or spelt alike
+    (difflib's ratio 0.8). A name that merely shares a prefix (`"window"` beside
+    `"window_max"`, a key this program does not log) is none."""
+    shorter = [word[:i] + word[i + 1 :] for i in range(len(word))] if len(word) > 3 else []
+    variants = [word.lower()] + [v for v in shorter if v.strip("*?")]
     for x in among:
-        if same(word, x):
+        if same(variants[0], x.lower()) or any(same(v, x) for v in variants[1:]):
             return x
-    close = difflib.get_close_matches(word, among, n=1, cutoff=0.75)
+    close = difflib.get_close_matches(word, among, n=1, cutoff=0.8)
     return close[0] if close else None
 
 

@@ -204,6 +204,10 @@ def _tagged(x):
             r"rules=\{'grads/\*': ...\}.*did you mean 'grad/w'",
         ),
         (
+            dict(policy=eqx_logs.Policy(rules={"grad": "max"})),
+            r"rules=\{'grad': ...\}.*did you mean 'grad/\*'",
+        ),
+        (
             dict(policy=eqx_logs.Policy(rules={"Grad/*": "max"})),
             r"rules=\{'Grad/\*': ...\}.*'grad/w'",
         ),
@@ -226,7 +230,8 @@ def test_exclude_and_rules_that_resemble_nothing_are_silent():
     x = jnp.ones(3)
     with _silent():
         eqx_logs.spool(_tagged, exclude=("other", "debug"))(x)
-        rules = {"grad/*": "max", "optimizer/*": "mean"}
+        # (a key this program does not log beside one it does: `loss_ema`, `*x`)
+        rules = {"grad/*": "max", "optimizer/*": "mean", "loss_ema": "mean", "*x": "max"}
         eqx_logs.spool(_tagged, policy=eqx_logs.Policy(rules=rules))(x)
 
 
