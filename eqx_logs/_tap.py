@@ -468,7 +468,9 @@ def tap(
     - `policy`, `interval`, `tags`, `exclude`, `prefix`: as for `spool`. `interval=k` is
         applied on the device: the host is called only for events 0, k, 2k, ... of each key.
         `spool`'s other options (`reduce`, `window`, `first_nonfinite`, `keep`, `key`,
-        `across`) raise a `TypeError` saying why: tap keeps no events to work on.
+        `across`) raise a `TypeError` saying why: tap keeps no events to work on; a `policy`
+        with them, a `ValueError`. Of a policy's `rules`, a tap applies `"drop"` and ignores
+        the reductions, so that one Policy's rules serve a spool and a tap.
 
     **Returns:**
 
@@ -565,7 +567,6 @@ def tap_with(
         for name, used in (
             ("reduce", not isinstance(policy.reduce, Stack)),
             ("window", policy.window is not None),
-            ("rules", any(not isinstance(r, str | Stack) for _, r in policy.rules)),
             ("across", bool(policy.across)),
             ("key", policy.key is not None),
         )
@@ -578,7 +579,7 @@ def tap_with(
             "happens and keeps none on the device to reduce, merge or sample, so these would "
             "be ignored. Use `eqx_logs.spool` (or `logger.spool` / `logger.jit`) for them, or "
             "tap with a Policy of what a tap uses: `interval`, `tags`, `exclude`, `prefix` "
-            "and `'drop'` rules."
+            "and `rules` (of which a tap applies `'drop'` only)."
         )
     return build_wrapper(_Tapped, fun, policy, sink, context, every_process)
 
