@@ -569,12 +569,23 @@ def strip_eqn(eqn: JaxprEqn, is_log: Callable[[JaxprEqn], bool], effect: Effect)
 # Equinox's primitives (`eqxi.create_vprim`: lineax's `linear_solve`, and `vprim`, any of them
 # under vmap) run a Python implementation when JAX lowers them. The functions it calls are
 # parameters: jaxprs (closure-converted, in `static`) or Python functions, traced only then.
-EQUINOX_PRIMITIVES = frozenset({"linear_solve", "vprim"})  # (`vprim` of a `linear_solve`)
+# (`vprim`: a `linear_solve` under vmap; `noinline`: `eqx.internal.noinline`'s calls)
+EQUINOX_PRIMITIVES = frozenset({"linear_solve", "vprim", "noinline"})
 
 
 def equinox_impl(eqn: JaxprEqn) -> Callable[..., Any] | None:
     """The implementation JAX lowers `eqn` with, if Equinox defined its primitive; else None."""
     name = eqn.primitive.name
+    if name == "noinline":
+        # `eqx.internal.noinline(f)`: its impl calls `f` (a parameter, in no jaxpr)
+        module = sys.modules.get("equinox.internal._noinline")
+        index = eqn.invars[0]
+        ours = eqn.primitive is getattr(module, "noinline_p", None)
+        if not ours or not isinstance(index, Literal):
+            return None
+        impl = functools.partial(eqn.primitive.impl, **eqn.params)
+        # the function's index in Equinox's registry, read as a Python value: the literal
+        return lambda _, *args: impl(index.val, *args)
     if name == "vprim":  # under vmap: another vprim's (Equinox's loops' `maybe_set`: no)
         name = getattr(eqn.params.get("prim"), "name", None)
     if name not in EQUINOX_PRIMITIVES:
@@ -582,6 +593,24 @@ def equinox_impl(eqn: JaxprEqn) -> Callable[..., Any] | None:
     module = sys.modules.get("equinox.internal._primitive")
     impl = getattr(module, "_vprim_impl_registry", {}).get(eqn.primitive)
     return None if impl is None else functools.partial(impl, **eqn.params)
+
+
+def derivative_noinline(eqn: JaxprEqn) -> bool:
+    """Whether `eqn` is an `eqx.internal.noinline` call that JAX's AD made: its function under
+    a JVP or transpose transform, which recomputes the forward pass (whose events the primal
+    call has) to differentiate it."""
+    if eqn.primitive.name != "noinline":
+        return False
+    noinline = sys.modules.get("equinox.internal._noinline")
+    combine = getattr(sys.modules.get("equinox.internal._primitive"), "_combine", None)
+    if noinline is None or combine is None:
+        return False
+    params = eqn.params
+    _, _, transforms, _ = _tree_util.tree_unflatten(
+        params["treedef"], combine(list(eqn.invars), params["static"])
+    )
+    derivative = (noinline._MetaTransposeTransform,)
+    return any(t is noinline._jvp_transform or isinstance(t, derivative) for t in transforms)
 
 
 def trace_on_avals(fun: Callable[..., Any], avals: Sequence[Any]) -> Any:
@@ -717,6 +746,12 @@ def hi_forward(eqn: JaxprEqn) -> tuple[Any, int] | None:
 
 def remat_options(eqn: JaxprEqn) -> dict[str, Any]:
     return dict(prevent_cse=eqn.params["prevent_cse"], policy=eqn.params["policy"])
+
+
+def recomputes(eqn: JaxprEqn) -> bool:
+    """Whether a remat `eqn` is the forward pass recomputed for a backward pass (its logs
+    stay with the primal pass; what a primitive's own function would log there, too)."""
+    return bool(eqn.params.get("differentiated", False))
 
 
 def close(jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:

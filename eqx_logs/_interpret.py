@@ -449,7 +449,8 @@ class Interpreter:
         self.info: dict[str, _KeyInfo] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
         self._has_log: dict[int, tuple[Any, bool]] = {}
-        self._bodies: dict[tuple[int, str], tuple[Any, Any]] = {}  # see `opaque_body`
+        self._bodies: dict[tuple[int, str, bool], tuple[Any, Any]] = {}  # `opaque_body`
+        self._recomputing = False  # inside a remat's recomputation (`recomputing`)
         self._outer: list[Any] = []  # the equations around the one being counted
         self._lane_guards: list[Any] = []
         # the custom derivative rule being evaluated, if any (its events may pass on)
@@ -611,16 +612,28 @@ class Interpreter:
         impl = _compat.equinox_impl(eqn)
         if impl is None:
             return None
+        # A recomputation of the forward pass (a remat's for the backward pass, `noinline`'s
+        # JVP and transpose) has no events of its own: they are the primal pass's.
+        enabled = not (self._recomputing or _compat.derivative_noinline(eqn))
         prefix = current_prefix()
-        hit = self._bodies.get((id(eqn), prefix))
+        hit = self._bodies.get((id(eqn), prefix, enabled))
         if hit is None:
             try:
-                with logging_as(prefix):
+                with logging_as(prefix, enabled=enabled):
                     body = _compat.trace_on_avals(impl, [v.aval for v in eqn.invars])
             except Exception:  # noqa: BLE001 (then as any primitive: logs found in its
                 body = None  # jaxprs raise `unhandled`, and it is bound as it is otherwise)
-            hit = self._bodies[(id(eqn), prefix)] = (eqn, body)
+            hit = self._bodies[(id(eqn), prefix, enabled)] = (eqn, body)
         return hit[1]
+
+    @contextlib.contextmanager
+    def recomputing(self, on: bool):
+        """Within: a remat's recomputation of the forward pass if `on` (see `opaque_body`)."""
+        before, self._recomputing = self._recomputing, self._recomputing or on
+        try:
+            yield
+        finally:
+            self._recomputing = before
 
     def count(self, closed: Any) -> Counts:
         """Static bound on the number of selected events per key in `closed`."""

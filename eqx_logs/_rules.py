@@ -65,18 +65,24 @@ register([*_compat.INLINE_CALLS, _compat.CUSTOM_VMAP], _call_count, _inline_appl
 # -- checkpoint / remat: rebuilt with jax.checkpoint ------------------------------------------
 
 
+def _remat_count(interp, eqn):
+    with interp.recomputing(_compat.recomputes(eqn)):
+        return interp.count(_compat.call_jaxpr(eqn))
+
+
 def _remat_apply(interp, eqn, invals, states):
     closed = _compat.call_jaxpr(eqn)
 
     def body(args, sub):
-        return interp.eval(closed, args, sub)
+        with interp.recomputing(_compat.recomputes(eqn)):
+            return interp.eval(closed, args, sub)
 
     remat = jax.checkpoint(body, **_compat.remat_options(eqn))
     outs, sub = remat(invals, interp.settle(states, interp.keys(closed)))
     return outs, {**states, **sub}
 
 
-register(_compat.REMAT, _call_count, _remat_apply)
+register(_compat.REMAT, _remat_count, _remat_apply)
 
 
 # -- calls with their logs evaluated separately ----------------------------------------------

@@ -344,3 +344,53 @@ def test_nnx_structure_change_in_place_is_refused():
         warnings.simplefilter("ignore", DeprecationWarning)
         el.spool(lambda m, x: m(x))(Sows(), jnp.ones(2))
     assert "changes the structure of a Flax NNX object" in str(info.value)
+
+
+# -- eqx.internal.noinline: its function is a parameter, in no jaxpr ---------------------------
+
+
+def _noinline_program(noinline: bool):
+    import equinox as eqx
+
+    def layer(x, w):
+        el.log("pre", x * w)
+        return jnp.tanh(x * w)
+
+    call = eqx.internal.noinline(layer) if noinline else layer
+
+    def f(x):
+        return call(call(x, 2.0), 0.5).sum()
+
+    return f
+
+
+@pytest.mark.parametrize(
+    "form",
+    ["spool", "jit(spool)", "vmap(spool)", "spool(vmap)", "spool(grad)", "grad(spool)", "remat"],
+)
+def test_logs_in_an_equinox_noinline_function_are_those_of_the_inlined_one(form):
+    """`eqx.internal.noinline(f)` calls `f` from its lowering: its logs were dropped silently.
+    Now they are captured as if `f` were inlined (the reference), once per forward call under
+    `grad` (AD's JVP and transpose calls recompute the forward pass: no events of their own),
+    with the same outputs and derivatives."""
+
+    def wrap(f):
+        return {
+            "spool": lambda: el.spool(f)(jnp.arange(3.0)),
+            "jit(spool)": lambda: jax.jit(el.spool(f))(jnp.arange(3.0)),
+            "vmap(spool)": lambda: jax.vmap(el.spool(f))(jnp.arange(6.0).reshape(2, 3)),
+            "spool(vmap)": lambda: el.spool(jax.vmap(f))(jnp.arange(6.0).reshape(2, 3)),
+            "spool(grad)": lambda: el.spool(jax.grad(f))(jnp.arange(3.0)),
+            "grad(spool)": lambda: (
+                jax.grad(lambda x: el.spool(f)(x)[0])(jnp.arange(3.0)),
+                el.spool(f)(jnp.arange(3.0))[1],
+            ),
+            "remat": lambda: el.spool(jax.grad(jax.checkpoint(f)))(jnp.arange(3.0)),
+        }[form]()
+
+    out, logs = wrap(_noinline_program(True))
+    want_out, want = wrap(_noinline_program(False))
+    assert_close(out, want_out, form)
+    assert sorted(logs) == ["pre"]
+    assert_close(logs["pre"], want["pre"], form)
+    assert_close(logs.count["pre"], want.count["pre"], form)
