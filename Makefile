@@ -9,7 +9,7 @@ PYTHON ?= python3
 # pyenv installs put python3.12 outside PATH on some machines; fall back to those.
 PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test312 bench lint docs clean
+.PHONY: demo test test-fast test312 bench lint docs clean golden golden-record
 
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
@@ -78,3 +78,14 @@ docs: .venv/.installed
 
 clean:
 	rm -rf .venv .venv312
+
+# tests/golden/: what spool, tap, plant and masking emit, against the recorded jaxprs (the
+# interpreter's moves must reproduce them exactly; the default suite checks a fast subset)
+golden: .venv/.installed .venv312/.installed
+	.venv/bin/python tests/golden/record.py --check
+	.venv312/bin/python tests/golden/record.py --check
+
+# only for a change MEANT to change the emitted programs (say so in the commit)
+golden-record: .venv/.installed .venv312/.installed
+	.venv/bin/python tests/golden/record.py
+	.venv312/bin/python tests/golden/record.py
