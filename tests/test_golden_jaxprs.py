@@ -8,6 +8,8 @@ record the examples, neither of which may leak into the other tests. The fast su
 the default suite; all cases with `pytest -m golden` (or `python tests/golden/record.py
 --check`)."""
 
+import gzip
+import json
 import os
 import pathlib
 import subprocess
@@ -25,6 +27,14 @@ GOLDEN = RECORD.parent / f"jaxprs-jax{VERSION}.json.gz"
 def _check(*args: str, timeout: int) -> None:
     if not GOLDEN.exists():
         pytest.skip(f"no golden jaxprs for jax {VERSION}: python {RECORD.relative_to(ROOT)}")
+    with gzip.open(GOLDEN, "rt") as f:
+        recorded = json.load(f)
+    if recorded["jax"] != jax.__version__:  # the printed programs are a JAX release's
+        pytest.skip(
+            f"the golden jaxprs are of jax {recorded['jax']}, this is {jax.__version__}: "
+            f"record them with python {RECORD.relative_to(ROOT)}, or install jax "
+            f"{recorded['jax']}"
+        )
     result = subprocess.run(
         [sys.executable, str(RECORD), "--check", *args],
         cwd=ROOT,
