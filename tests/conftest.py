@@ -25,3 +25,21 @@ def standard_promotion():
     Adam computes `decay ** count` with an int32 count (`optax.tree.bias_correction`)."""
     with jax.numpy_dtype_promotion("standard"):
         yield
+
+
+@pytest.fixture
+def wandb_env(monkeypatch, tmp_path):
+    """Offline, quiet W&B whose settings and caches stay in tmp_path; returns the directory
+    for the run (`tmp_path / "wb"`)."""
+    for name, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_CONFIG_DIR": os.fspath(tmp_path / "wandb-config"),
+        "WANDB_CACHE_DIR": os.fspath(tmp_path / "wandb-cache"),
+        "WANDB_DATA_DIR": os.fspath(tmp_path / "wandb-data"),
+    }.items():
+        monkeypatch.setenv(name, value)
+    return tmp_path / "wb"

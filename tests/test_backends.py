@@ -413,23 +413,6 @@ def test_tensorboard_counter_steps_without_a_step(tmp_path):
 # --- WandbLogger ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def wandb_env(monkeypatch, tmp_path):
-    """Offline, quiet W&B whose settings and caches stay in tmp_path."""
-    for name, value in {
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-        "WANDB_DISABLE_GIT": "true",
-        "WANDB_DISABLE_CODE": "true",
-        "WANDB_CONFIG_DIR": os.fspath(tmp_path / "wandb-config"),
-        "WANDB_CACHE_DIR": os.fspath(tmp_path / "wandb-cache"),
-        "WANDB_DATA_DIR": os.fspath(tmp_path / "wandb-data"),
-    }.items():
-        monkeypatch.setenv(name, value)
-    return tmp_path / "wb"
-
-
 def wandb_runs(root) -> dict[str, dict]:
     """Every offline run under `root`, by display name."""
     runs = {}

@@ -208,23 +208,6 @@ def test_tensorboard_hparams(tmp_path):
     assert scalars == {"loss": list(enumerate(LOSSES))}
 
 
-@pytest.fixture
-def wandb_env(monkeypatch, tmp_path):
-    """Offline, quiet W&B whose settings and caches stay in tmp_path (as in test_backends)."""
-    for name, value in {
-        "WANDB_MODE": "offline",
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-        "WANDB_DISABLE_GIT": "true",
-        "WANDB_DISABLE_CODE": "true",
-        "WANDB_CONFIG_DIR": os.fspath(tmp_path / "wandb-config"),
-        "WANDB_CACHE_DIR": os.fspath(tmp_path / "wandb-cache"),
-        "WANDB_DATA_DIR": os.fspath(tmp_path / "wandb-data"),
-    }.items():
-        monkeypatch.setenv(name, value)
-    return tmp_path / "wb"
-
-
 def test_wandb_run_config(wandb_env):
     pytest.importorskip("wandb")
     write_events(WandbLogger(name="cfg", dir=os.fspath(wandb_env), config=CONFIG))
