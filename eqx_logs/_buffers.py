@@ -11,7 +11,19 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
 from ._checks import check_count
-from ._reductions import AbstractReduction, _select
+from ._reductions import (
+    AbstractReduction,
+    Count,
+    First,
+    Last,
+    Max,
+    Mean,
+    Min,
+    Std,
+    Sum,
+    Var,
+    _select,
+)
 
 
 class NeedsBound(Exception):
@@ -340,8 +352,6 @@ class Window(AbstractReduction):
     event_axes: ClassVar[int] = 1
 
     def __init__(self, size: int, inner: Any = "mean", capacity: int | None = None):
-        from ._policy import as_reduction
-
         self.size = size
         self.inner = as_reduction(inner)
         self.capacity = capacity
@@ -426,8 +436,6 @@ class Fanout(AbstractReduction):
     reductions: tuple[tuple[str, AbstractReduction], ...]
 
     def __init__(self, **named: Any):
-        from ._policy import as_reduction
-
         if not named:
             raise ValueError("Fanout needs at least one named reduction, e.g. Fanout(mean='mean').")
         # A tuple, not a dict: hashable (a call site may name it) and ordered.
@@ -455,3 +463,39 @@ class Fanout(AbstractReduction):
 
     def place_batch_axes(self, output, nbatch):
         return {n: r.place_batch_axes(output[n], nbatch) for n, r in self.reductions}
+
+
+# -- reductions by name (`reduce="mean"`): the buffers' and the policy's -------------------
+
+_NAMES = {
+    "stack": Stack,
+    "append": Stack,
+    "last": Last,
+    "replace": Last,
+    "first": First,
+    "sum": Sum,
+    "mean": Mean,
+    "min": Min,
+    "max": Max,
+    "var": Var,
+    "std": Std,
+    "count": Count,
+    "collect": Collect,
+}
+DROP = "drop"
+
+
+def as_reduction(reduce: Any, *, allow_drop: bool = False, where: str = "reduce") -> Any:
+    """A reduction from a name (`"mean"`) or a reduction; `"drop"` too where allowed."""
+    if isinstance(reduce, AbstractReduction):
+        return reduce
+    if isinstance(reduce, str):
+        if allow_drop and reduce == DROP:
+            return DROP
+        if reduce in _NAMES:
+            return _NAMES[reduce]()
+    names = sorted(_NAMES) + ([DROP] if allow_drop else [])
+    raise ValueError(
+        f"{where}={reduce!r} is not a reduction: use one of {names} or an "
+        "eqx_logs.AbstractReduction such as eqx_logs.Window(100, 'mean')."
+    )

@@ -32,6 +32,7 @@ import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
+from ._buffers import as_reduction
 from ._deferred import force
 
 
@@ -468,8 +469,6 @@ def _check_step(name: str, value: Any, site: str) -> jax.Array:
 
 
 def _check_reduce(reduce: Any, site: str) -> None:
-    from ._policy import as_reduction
-
     as_reduction(reduce, where=f"eqx_logs.log at {site}: reduce")
     try:
         hash(reduce)
