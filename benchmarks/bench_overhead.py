@@ -225,27 +225,21 @@ def loop_forms(size: int, k: int, steps: int, tmp: str) -> dict[str, Form]:
         eqx_logs.log({"p": payload(w, size)}, step=i)
         return w
 
-    plain = eqx.filter_jit(step)
+    def loop(fn: Callable) -> Callable[[], None]:
+        """The per-step loop of `fn`, a compiled step that writes nothing itself."""
 
-    def run_plain():
-        w = w0
-        for i in idx:
-            w = plain(w, i)
-        jax.block_until_ready(w)
-        jax.effects_barrier()
+        def run():
+            w = w0
+            for i in idx:
+                w = fn(w, i)
+            jax.block_until_ready(w)
+            jax.effects_barrier()
 
-    forms = {LOOP_BASE: Form(run_plain)}
+        return run
 
-    jitted = jax.jit(step)  # for context: the same loop without Equinox's filtered dispatch
-
-    def run_jitted():
-        w = w0
-        for i in idx:
-            w = jitted(w, i)
-        jax.block_until_ready(w)
-        jax.effects_barrier()
-
-    forms["loop: jax.jit(step), no logging (context)"] = Form(run_jitted)
+    forms = {LOOP_BASE: Form(loop(eqx.filter_jit(step)))}
+    # for context: the same loop without Equinox's filtered dispatch
+    forms["loop: jax.jit(step), no logging (context)"] = Form(loop(jax.jit(step)))
 
     def with_logger(name: str, make: Callable, writes: bool = False):
         path = os.path.join(tmp, f"{len(forms)}")
@@ -303,18 +297,9 @@ def loop_forms(size: int, k: int, steps: int, tmp: str) -> dict[str, Form]:
         )
         return w
 
-    cb_step = eqx.filter_jit(step_callback)
-
-    def run_callback():
-        w = w0
-        for i in idx:
-            w = cb_step(w, i)
-        jax.block_until_ready(w)
-        jax.effects_barrier()
-
     # the debug.callback appends each event to a list (kept, as a user would)
     forms["loop: debug.callback under lax.cond"] = Form(
-        run_callback, cb_sink.events, lambda: cb_sink.clear(keep=True)
+        loop(eqx.filter_jit(step_callback)), cb_sink.events, lambda: cb_sink.clear(keep=True)
     )
 
     def step_returning(w, i):

@@ -151,10 +151,8 @@ def build(cls: Callable[..., _W], *fields: Any, **options: Any) -> _W:
 
 
 def build_wrapper(cls: Callable[..., _W], *fields: Any) -> _W:
-    """`update_wrapper(build(cls, *fields))`."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", _TRANSFORMED, UserWarning)
-        return update_wrapper(cls(*fields))
+    """`update_wrapper(cls(*fields))`, built as by `build` (both construct the Module)."""
+    return build(lambda: update_wrapper(cls(*fields)))
 
 
 def update_wrapper(wrapper: _W) -> _W:

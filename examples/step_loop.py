@@ -33,13 +33,18 @@ def train_step(model, opt_state, x, y, step, *, optimizer):
     return eqx.apply_updates(model, updates), opt_state
 
 
-def main(directory: str) -> None:
+def setup():
+    """The data, the model, the optimizer and its state."""
     kx, km = jax.random.split(jax.random.key(0))
     x = jax.random.normal(kx, (64, 2))
     y = jnp.sin(x[:, :1]) * jnp.cos(x[:, 1:])
     model = eqx.nn.MLP(2, 1, 32, 2, key=km)
     optimizer = optax.sgd(0.1)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    return x, y, model, optimizer, optimizer.init(eqx.filter(model, eqx.is_array))
+
+
+def main(directory: str) -> None:
+    x, y, model, optimizer, opt_state = setup()
     path = os.path.join(directory, "run.jsonl")
     with JsonlLogger(path) as logger:  # leaving the block writes what is left and closes
         step = logger.jit(train_step, logger.init(), interval=INTERVAL)

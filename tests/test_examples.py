@@ -50,7 +50,6 @@ def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_pat
     import equinox as eqx
     import jax
     import jax.numpy as jnp
-    import optax
 
     from eqx_logs.loggers import read_jsonl
 
@@ -67,12 +66,8 @@ def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_pat
     spec = importlib.util.spec_from_file_location("step_loop", ROOT / "examples" / "step_loop.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    kx, km = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(kx, (64, 2))
-    y = jnp.sin(x[:, :1]) * jnp.cos(x[:, 1:])
-    model = eqx.nn.MLP(2, 1, 32, 2, key=km)
-    optimizer = optax.sgd(0.1)
-    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    # the same start, trained without logging: the reference
+    x, y, model, optimizer, opt_state = example.setup()
     loss = eqx.filter_jit(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))
     step = eqx.filter_jit(example.train_step)  # its log outside any spool: nothing happens
     want = {}
