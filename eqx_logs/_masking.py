@@ -18,29 +18,27 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import _compat, _lanes
-from ._interpret import Interpreter
+from ._interpret import Handler, Interpreter
 from ._policy import Policy
 from ._primitive import log_effect, rebind
 from ._rules import RULES
 from ._stats import masked
 
 
-class _MaskInterpreter(Interpreter):
-    """Re-evaluates a jaxpr, adding `mask` to every log (through nested control flow)."""
+class _Mask(Handler):
+    """Adds `mask` to every log (through nested control flow), and marks it as in `branch`."""
 
     wraps_custom_rules = False  # the spool or tap around the vmap does it
 
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
-        super().__init__(Policy(), RULES)
         self.mask, self.branch = mask, branch
-        self._reductions = {}  # no states to thread
 
     def _kept(self) -> Any:
         """Whether (in this lane) the events here are kept."""
-        lane = self.lane_mask()
+        lane = self.interp.lanes.mask()
         return self.mask if lane is None else jnp.logical_and(self.mask, lane)
 
-    def _event(self, eqn, invals, states):
+    def event(self, eqn, invals, states):
         rebind(eqn, invals, self._kept(), branch=self.branch)
 
     def statistics(self, eqn, invals):
@@ -57,9 +55,9 @@ def masked_eval(
     """Evaluate `closed` on `args` with every log inside masked by `mask`, and marked as in
     `branch` (`(cond, branch index)`, see `_primitive.py`) if given. Outputs that have a lane
     value (`_lanes.py`: Equinox's loop predicates) are returned as their lane value."""
-    interp = _MaskInterpreter(mask, branch)
+    interp = Interpreter(Policy(), RULES, _Mask(mask, branch))
     outs, _ = interp.eval(closed, args, {})
-    return [x if interp.lane_of(x) is None else interp.lane_of(x) for x in outs]
+    return [x if interp.lanes.of(x) is None else interp.lanes.of(x) for x in outs]
 
 
 def _has_log(*closed: Any) -> bool:

@@ -13,7 +13,13 @@ from jax import lax
 from jaxtyping import ArrayLike, PyTree
 
 from . import _compat, _nnx
-from ._interpret import Interpreter, _known, _site_list, _vmap
+from ._interpret import (
+    Interpreter,
+    Spool,
+    known as _known,
+    site_list as _site_list,
+    vmap_n as _vmap,
+)
 from ._policy import DROP, Policy
 from ._primitive import (
     _call_site,
@@ -80,22 +86,22 @@ def sow(
     return y
 
 
-class _PlantInterpreter(Interpreter):
-    """Counts the events of the planted keys (as states, threaded through loops and branches
-    like a spool's) and replaces each sown value by its row of the planted values. Every
-    log passes on to an enclosing spool or tap."""
+class _Plant(Spool):
+    """spool's handler counting the events of the planted keys (as states, threaded through
+    loops and branches like a spool's), and replacing each sown value by its row of the
+    planted values. Every log passes on to an enclosing spool or tap."""
 
     name = "eqx_logs.plant"
 
     def __init__(self, values: dict[str, Any]):
-        super().__init__(Policy(), RULES, keep=True)
+        super().__init__(keep=True)
         self.values = values
         self.seen: set[str] = set()
 
     def statistics(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
         return _compat.bind_eqn(eqn, invals)  # a vmap around a plant may be inside a spool
 
-    def reduction_of(self, key: str, site_reduce: Any = None) -> Any:
+    def reduction_of(self, key: str, site_reduce: Any) -> Any:
         return Count() if key in self.values else DROP
 
     def sown(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> Any:
@@ -103,7 +109,7 @@ class _PlantInterpreter(Interpreter):
         self.seen.add(key)
         if key not in self.values:
             return _compat.bind_eqn(eqn, invals)  # for an enclosing plant
-        info = self.info[key]
+        info = self.interp.plan.info[key]
         if key not in states:
             raise ValueError(
                 f"eqx_logs.plant: the sown value {key!r} (at {_site_list(info.sites)}) is "
@@ -125,18 +131,19 @@ class _PlantInterpreter(Interpreter):
         v = jnp.asarray(v)
         if v.shape == x.shape:  # the same value for every event
             return v.astype(x.dtype)
-        bound = self._bounds[key]
+        bound = self.interp.store.bounds[key]
+        sites = _site_list(self.interp.plan.info[key].sites)
         if v.shape[1:] != x.shape:
             raise ValueError(
                 f"eqx_logs.plant: {key!r} is sown with shape {x.shape} (at "
-                f"{_site_list(self.info[key].sites)}); plant a value of that shape (the same "
-                f"for every event) or one row per event, shape (events, *{x.shape}); got "
+                f"{sites}); plant a value of that shape (the same for every event) or one row "
+                f"per event, shape (events, *{x.shape}); got "
                 f"{v.shape}."
             )
         if bound is not None and v.shape[0] < bound:
             raise ValueError(
                 f"eqx_logs.plant: {key!r} is sown {bound} times (at "
-                f"{_site_list(self.info[key].sites)}), but {v.shape[0]} rows were planted."
+                f"{sites}), but {v.shape[0]} rows were planted."
             )
         if v.shape[0] == 0:  # sown no times (a zero-length loop): this event never happens
             return x
@@ -182,14 +189,14 @@ def _plant_call(fun, values, args, kwargs):
 
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    interp = _PlantInterpreter(values)
-    outs, _ = interp.run(closed, flat)
-    unknown = [k for k in values if k not in interp.seen]
+    plant = _Plant(values)
+    outs, _ = Interpreter(Policy(), RULES, plant).run(closed, flat)
+    unknown = [k for k in values if k not in plant.seen]
     if unknown:
-        logged = sorted(k for k in interp.info if k not in interp.seen)
+        logged = sorted(k for k in plant.interp.plan.info if k not in plant.seen)
         raise ValueError(
             f"eqx_logs.plant: {unknown[0]!r} is not sown in {_compat_name(fun)}; the keys "
-            f"sown there are {sorted(interp.seen)}"
+            f"sown there are {sorted(plant.seen)}"
             + (f" (logged, not sown: {logged}; use `eqx_logs.sow`)" if logged else "")
             + "."
         )

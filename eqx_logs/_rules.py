@@ -66,7 +66,7 @@ register([*_compat.INLINE_CALLS, _compat.CUSTOM_VMAP], _call_count, _inline_appl
 
 
 def _remat_count(interp, eqn):
-    with interp.recomputing(_compat.recomputes(eqn)):
+    with interp.plan.recomputing(_compat.recomputes(eqn)):
         return interp.count(_compat.call_jaxpr(eqn))
 
 
@@ -74,7 +74,7 @@ def _remat_apply(interp, eqn, invals, states):
     closed = _compat.call_jaxpr(eqn)
 
     def body(args, sub):
-        with interp.recomputing(_compat.recomputes(eqn)):
+        with interp.plan.recomputing(_compat.recomputes(eqn)):
             return interp.eval(closed, args, sub)
 
     remat = jax.checkpoint(body, **_compat.remat_options(eqn))
@@ -94,7 +94,7 @@ register(_compat.REMAT, _remat_count, _remat_apply)
 def inline_copy_apply(interp, eqn, invals, states):
     outs = _compat.bind_eqn(_compat.strip_eqn(eqn, is_log, log_effect), invals)
     primal = [lax.stop_gradient(x) for x in invals]
-    interp.with_lanes(primal, interp.lanes(invals))
+    interp.lanes.give(primal, interp.lanes.of_each(invals))
     _, states = interp.eval(_compat.call_jaxpr(eqn), primal, states, settle=False)
     return outs, states
 
@@ -115,7 +115,7 @@ class _Threaded:
         self.closed = _compat.call_jaxpr(eqn)
         self.num_consts = eqn.params["num_consts"]
         sub = interp.threadable(interp.settle(states, interp.keys(self.closed)))
-        lanes = interp.lanes(invals[self.num_consts :])
+        lanes = interp.lanes.of_each(invals[self.num_consts :])
         context, self.static = interp.snapshot()
         extra, self.in_def = jtu.tree_flatten((sub, context, lanes))
         self.extra = [jnp.asarray(x) for x in extra]
@@ -138,7 +138,7 @@ class _Threaded:
             # passes on reaches an enclosing spool or tap if one is tracing, see `log_p`)
             logging = logging_as(self.prefix, enabled=None) if rule else contextlib.nullcontext()
             with interp.restored(context, self.static), logging:
-                interp.with_lanes(args if rule else args[self.num_consts :], lanes)
+                interp.lanes.give(args if rule else args[self.num_consts :], lanes)
                 outs, sub = interp.eval(closed, args, sub)
         finally:
             interp.rule_name = saved
@@ -156,7 +156,7 @@ class _Threaded:
                 raise ValueError(
                     f"eqx_logs: the custom derivative rule of {self.name} logs key {key!r} "
                     f"more often than its primal does (at "
-                    f"{', '.join(dict.fromkeys(interp.info[key].sites))}). Under "
+                    f"{', '.join(dict.fromkeys(interp.plan.info[key].sites))}). Under "
                     "differentiation the rule runs instead of the primal, and the events of "
                     "each key were counted in the primal: log the key at most as often in the "
                     "rule (call the primal function from it), or use a reduction of fixed size."
@@ -187,7 +187,7 @@ def _rules_only(interp, eqn, invals):
 
 
 def _custom_jvp_apply(interp, eqn, invals, states):
-    if not interp.eqn_has_log(eqn):
+    if not interp.plan.eqn_has_log(eqn):
         return _rules_only(interp, eqn, invals), states
     t = _Threaded(interp, eqn, invals, states)
     n = len(eqn.outvars)
@@ -205,7 +205,7 @@ def _custom_jvp_apply(interp, eqn, invals, states):
 
 
 def _custom_vjp_apply(interp, eqn, invals, states):
-    if not interp.eqn_has_log(eqn):
+    if not interp.plan.eqn_has_log(eqn):
         return _rules_only(interp, eqn, invals), states
     t = _Threaded(interp, eqn, invals, states)
 
@@ -235,7 +235,7 @@ def _custom_count(interp, eqn):
                 rule = _compat.custom_rule_jaxpr(eqn)
         except Exception:  # noqa: BLE001 (traced only when JAX differentiates, then checked)
             return counts
-        interp.check_rule_dtypes(rule, _custom_name(eqn))
+        interp.plan.check_rule_dtypes(rule, _custom_name(eqn))
     return counts
 
 
@@ -304,21 +304,21 @@ register(_compat.LINEAR_SOLVE, _linear_solve_count, _linear_solve_apply)
 
 
 def _opaque_count(interp, eqn):
-    body = interp.opaque_body(eqn)
+    body = interp.plan.opaque_body(eqn)
     if body is None:
-        interp.unhandled(eqn)
+        interp.plan.unhandled(eqn)
     return interp.count(body)
 
 
 def _opaque_apply(interp, eqn, invals, states):
-    body = interp.opaque_body(eqn)
+    body = interp.plan.opaque_body(eqn)
     if body is None:
-        interp.unhandled(eqn)
-    if not interp.has_log(body):  # logs only in functions the implementation never calls
+        interp.plan.unhandled(eqn)
+    if not interp.plan.has_log(body):  # logs only in functions the implementation never calls
         with logging_as(current_prefix(), enabled=False):
             return _compat.bind_eqn(eqn, invals), states
     primal = [lax.stop_gradient(x) for x in invals]
-    interp.with_lanes(primal, interp.lanes(invals))
+    interp.lanes.give(primal, interp.lanes.of_each(invals))
     outs, states = interp.eval(body, primal, states, settle=False)
     return _with_jvp_of(eqn, list(invals), list(outs)), states
 
@@ -352,7 +352,7 @@ register(_compat.EQUINOX_PRIMITIVES, _opaque_count, _opaque_apply)
 def _hi_forward(interp, eqn):
     forward = _compat.hi_forward(eqn)
     if forward is None:
-        interp.unhandled(eqn)
+        interp.plan.unhandled(eqn)
     return forward
 
 
@@ -378,7 +378,7 @@ def _scan_count(interp, eqn):
     body, _, _ = _compat.scan_parts(eqn)
     length = _compat.scan_options(eqn)["length"]
     per_iteration = interp.count(body)
-    interp.note_iteration(per_iteration)
+    interp.plan.note_iteration(per_iteration)
     return {k: None if n is None else n * length for k, n in per_iteration.items()}
 
 
@@ -387,36 +387,36 @@ def _scan_apply(interp, eqn, invals, states):
     consts, init, xs = _split(invals, num_consts, num_carry)
     options = _compat.scan_options(eqn)
     # keys whose events leave as `ys` (`Interpreter.streamed`), the others ride in the carry
-    init_lanes = interp.lanes(init)
-    streamed = {} if init_lanes else interp.streamed(body, options["length"])
+    init_lanes = interp.lanes.of_each(init)
+    streamed = {} if init_lanes else interp.handler.streamed(body, options["length"])
     carried = [k for k in interp.keys(body) if k not in streamed]
 
     def step(carry, x):
         values, lanes, sub = carry
-        live = interp.in_step(values, lanes)  # see _while_apply
-        interp.with_lanes(values, lanes)
-        sub = {**interp.iteration(sub), **{k: interp.stream_state(k) for k in streamed}}
+        live = interp.lanes.in_step(values, lanes)  # see _while_apply
+        interp.lanes.give(values, lanes)
+        sub = {**interp.iteration(sub), **{k: interp.handler.stream_state(k) for k in streamed}}
         with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
             outs, sub = interp.eval(body, [*consts, *values, *x], sub, settle=False)
-        events = {k: interp.stream_events(k, sub.pop(k)) for k in streamed}
+        events = {k: interp.handler.stream_events(k, sub.pop(k)) for k in streamed}
         values = outs[:num_carry]
-        new_lanes = interp.lanes_like(values, lanes)
+        new_lanes = interp.lanes.like(values, lanes)
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
-        return (values, interp.carried(values, lanes), interp.settle(sub)), (
+        return (values, interp.lanes.carried(values, lanes), interp.settle(sub)), (
             outs[num_carry:],
             events,
         )
 
     states = interp.entering_loop(states)
-    carry = (init, interp.carried(init, init_lanes), interp.settle(states, carried))
+    carry = (init, interp.lanes.carried(init, init_lanes), interp.settle(states, carried))
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
     with interp.loop():
         (values, lanes, sub), (ys, events) = lax.scan(step, carry, xs, **options)
-    interp.with_lanes(values, lanes)
+    interp.lanes.give(values, lanes)
     states = {**states, **sub}
     for k, block in events.items():
-        states[k] = interp.add_stream(k, states[k], block, streamed[k], options["reverse"])
+        states[k] = interp.handler.add_stream(k, states[k], block, streamed[k], options["reverse"])
     return [*values, *ys], states
 
 
@@ -436,17 +436,17 @@ def _while_apply(interp, eqn, invals, states):
     cond_consts, body_consts, init = _split(invals, cond_nconsts, body_nconsts)
     keys = dict.fromkeys([*interp.keys(cond), *interp.keys(body)])
     # carried values with a lane value (`_lanes.py`) carry it along, as an extra carry
-    init_lanes = interp.lanes(init)
+    init_lanes = interp.lanes.of_each(init)
 
     def test(values, lanes, sub):
-        interp.with_lanes(values, lanes)
+        interp.lanes.give(values, lanes)
         (pred,), sub = interp.eval(cond, [*cond_consts, *values], sub)
         return pred, sub
 
     def advance(values, lanes, sub):
-        interp.with_lanes(values, lanes)
+        interp.lanes.give(values, lanes)
         values, sub = interp.eval(body, [*body_consts, *values], interp.iteration(sub))
-        return values, interp.lanes_like(values, lanes), sub
+        return values, interp.lanes.like(values, lanes), sub
 
     sub = interp.settle(interp.entering_loop(states), keys)
     with interp.loop():
@@ -457,7 +457,7 @@ def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
     """The loop of `_while_apply`, built inside `interp.loop()`."""
     cond = _compat.while_parts(eqn)[0]
     guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
-    if not interp.has_log(cond) and not guarded:
+    if not interp.plan.has_log(cond) and not guarded:
         values, _, sub = lax.while_loop(
             lambda c: test(c[0], {}, {})[0], lambda c: advance(*c), (init, {}, sub)
         )
@@ -467,25 +467,25 @@ def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
     # holds and the carried control values agree with the lane's own (`in_step`); only then
     # do those advance.
     def live_in(values, lanes, lane):
-        step = interp.in_step(values, lanes)
+        step = interp.lanes.in_step(values, lanes)
         return lane if step is None else step if lane is None else jnp.logical_and(lane, step)
 
-    init_lanes = interp.carried(init, init_lanes)
-    if not interp.has_log(cond):
+    init_lanes = interp.lanes.carried(init, init_lanes)
+    if not interp.plan.has_log(cond):
         # the loop as it was; the body evaluates the test again for its lane value (without a
         # vmap that is dead code, see `_lanes.shadow`)
         def plain_body(carry):
             values, lanes, sub = carry
             pred, _ = test(values, lanes, {})
-            live = live_in(values, lanes, interp.lane_of(pred))
+            live = live_in(values, lanes, interp.lanes.of(pred))
             with interp.guard(lambda: pred, live):
                 values, new_lanes, sub = advance(values, lanes, sub)
             lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
-            return values, interp.carried(values, lanes), sub
+            return values, interp.lanes.carried(values, lanes), sub
 
         carry = (init, init_lanes, sub)
         values, lanes, sub = lax.while_loop(lambda c: test(*c)[0], plain_body, carry)
-        interp.with_lanes(values, lanes)
+        interp.lanes.give(values, lanes)
         return values, {**states, **sub}
 
     # cond_fun logs and runs once more than the body: test, (body, test)*. The predicate (and
@@ -499,11 +499,11 @@ def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
             values, new_lanes, sub = advance(values, lanes, sub)
             lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
             pred, sub = test(values, lanes, sub)
-        return values, interp.carried(values, lanes), sub, pred, interp.lane_of(pred)
+        return values, interp.lanes.carried(values, lanes), sub, pred, interp.lanes.of(pred)
 
-    carry = (init, init_lanes, sub, pred, interp.lane_of(pred))
+    carry = (init, init_lanes, sub, pred, interp.lanes.of(pred))
     values, lanes, sub, _, _ = lax.while_loop(lambda c: c[3], loop_body, carry)
-    interp.with_lanes(values, lanes)
+    interp.lanes.give(values, lanes)
     return values, {**states, **sub}
 
 
@@ -522,22 +522,22 @@ def _cond_apply(interp, eqn, invals, states):
     index, *ops = invals
     keys = dict.fromkeys(k for b in branches for k in interp.keys(b))
 
-    lane = interp.lane_of(index)
+    lane = interp.lanes.of(index)
 
     def make(i, branch):
         def run(ops, lanes, sub):
             # taken by a lane alone where its lane index says so and its operands are its own
-            live = [interp.in_step(ops, lanes), None if lane is None else lane == i]
+            live = [interp.lanes.in_step(ops, lanes), None if lane is None else lane == i]
             live = [x for x in live if x is not None]
             live = functools.reduce(jnp.logical_and, live) if live else None
-            interp.with_lanes(ops, lanes)
+            interp.lanes.give(ops, lanes)
             with interp.guard(lambda: index == i, live):
                 return interp.eval(branch, ops, sub)
 
         return run
 
     runs = [make(i, b) for i, b in enumerate(branches)]
-    outs, sub = lax.switch(index, runs, ops, interp.lanes(ops), interp.settle(states, keys))
+    outs, sub = lax.switch(index, runs, ops, interp.lanes.of_each(ops), interp.settle(states, keys))
     return outs, {**states, **sub}
 
 
@@ -549,7 +549,7 @@ register(_compat.COND, _cond_count, _cond_apply)
 
 def _shard_map_count(interp, eqn):
     body, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
-    with interp.manual(tuple((a, mesh.shape[a]) for a in axes), mesh=mesh):
+    with interp.manual.inside(tuple((a, mesh.shape[a]) for a in axes), mesh=mesh):
         return interp.count(body)
 
 
@@ -561,8 +561,8 @@ def _shard_map_apply(interp, eqn, invals, states):
 
     def per_device(args, sub):
         with interp.on_device(args, axes, check_vma):
-            outs, sub = interp.eval(body, args, interp.device_states(sub))
-            sub = interp.device_blocks(sub, len(axes))
+            outs, sub = interp.eval(body, args, interp.handler.device_states(sub))
+            sub = interp.handler.device_blocks(sub, len(axes))
         return tuple(outs), sub
 
     run = jax.shard_map(

@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _compat, _masking, _nnx  # noqa: F401  (_masking: registers batching rules)
-from ._interpret import Interpreter
+from ._interpret import Interpreter, Spool, warn_unmatched
 from ._logdict import LogDict
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
@@ -260,9 +260,9 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
 def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    interpreter = Interpreter(policy, RULES, keep=keep)
+    interpreter = Interpreter(policy, RULES, Spool(keep=keep))
     outs, logs = interpreter.run(closed, flat)
-    interpreter.warn_unmatched("eqx_logs.spool")
+    warn_unmatched(interpreter, "eqx_logs.spool")
     return rebuild(outs), logs
 
 

@@ -138,7 +138,7 @@ def test_a_buffer_larger_than_the_device_fails_at_trace_time():
 
         return lax.scan(body, x, jnp.arange(100_000))[0]
 
-    from eqx_logs._interpret import _memory_limit
+    from eqx_logs._interpret import memory_limit as _memory_limit
 
     assert _memory_limit() < 372 * 2**30  # the device (here the host: a CPU) has less
     x = jax.ShapeDtypeStruct((1000, 1000), jnp.float32)

@@ -1,0 +1,16 @@
+"""The jaxpr interpreter behind `spool`, `tap`, `plant` and the masking of batched conds: one
+evaluator, handlers plugged into it, and the pieces they share. See README.md here."""
+
+from ._advice import warn_unmatched as warn_unmatched
+from ._evaluator import Interpreter as Interpreter
+from ._handler import Handler as Handler
+from ._keys import keys_of as keys_of, site_list as site_list
+from ._plan import (
+    Counts as Counts,
+    UnhandledPrimitiveError as UnhandledPrimitiveError,
+    max_counts as max_counts,
+    unbounded as unbounded,
+)
+from ._spooling import Spool as Spool
+from ._store import INTERVAL_STEP as INTERVAL_STEP, memory_limit as memory_limit
+from ._values import known as known, vmap_n as vmap_n

@@ -1,0 +1,56 @@
+"""Advice after a run: what in the policy most likely holds a typo, and step-less keys that
+`interval` numbers per call (warned at the user's call)."""
+
+from typing import Any
+
+from .._policy import Policy, unmatched
+from .._warn import warn_user
+from ._store import INTERVAL_STEP
+
+
+def warn_unmatched(interp: Any, who: str) -> None:
+    """After a run: warn (at the user's call) for what in the policy most likely holds a
+    typo: `tags` that selected nothing, an `exclude` tag or `rules` pattern that matches
+    nothing but resembles a tag or key logged (`_policy.unmatched`)."""
+    plan = interp.plan
+    if not isinstance(interp.policy, Policy) or not plan.selected:
+        return
+    tags = {t for ts in plan.selected for t in ts}
+    keys = {key for key, _ in plan.reductions_of}
+    selected = any(plan.selected.values())
+    for message in unmatched(interp.policy, who, tags, keys, selected):
+        warn_user(message)
+    if message := _stepless(interp.store, interp.policy, who):
+        warn_user(message)
+
+
+def _stepless(store: Any, policy: Any, who: str) -> str | None:
+    """With `interval=k`, keys kept by their `step` beside keys without one, whose events
+    per call are not a multiple of k: those are numbered within each call, so in a loop
+    calling the spool once per step, each call keeps its first (a step-less key follows
+    no step). Say so, naming `scope(step=...)`."""
+    period, counts = policy.interval, store.per_call
+    stepped = [k for k in counts if INTERVAL_STEP in store.info[k].steps]
+    if period == 1 or not stepped:
+        return None
+    stepless = {
+        k: n
+        for k, n in counts.items()
+        if k in store.reductions
+        and INTERVAL_STEP not in store.info[k].steps
+        and isinstance(n, int)
+        and n % period
+    }
+    if not stepless:
+        return None
+    names = ", ".join(f"{k!r} ({n} per call)" for k, n in list(stepless.items())[:4])
+    more = f" and {len(stepless) - 4} more" if len(stepless) > 4 else ""
+    verb = "is" if len(stepless) == 1 else "are"
+    return (
+        f"{who}(interval={period}): {names}{more} {verb} logged without a `step`, while "
+        f"{stepped[0]!r} carries one. `interval` keeps an event with a step where the step "
+        f"is a multiple of {period}, and numbers the others within each call (events 0, "
+        f"{period}, {2 * period}, ... of the call): called once per training step, each "
+        "call keeps its first. Log them inside `with eqx_logs.scope(step=i):` (around the "
+        "model's call, for `instrument`'s statistics) to keep them by step too."
+    )

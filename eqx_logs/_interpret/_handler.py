@@ -1,0 +1,113 @@
+"""What differs between spool, tap, masking and plant: a handler plugged into `Interpreter`.
+
+The interpreter evaluates equations and hands each log event to its handler (`event`), each
+`eqx_logs.sow` (`sown`) and statistics equation (`statistics`); rules thread the handler's
+states through loops, branches and calls, asking it which states a jaxpr updates (`keys`) and
+how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` pair in a
+shard_map). The defaults here thread no state and bind every equation as it is.
+"""
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .. import _compat
+from .._methods import method
+from .._stats import per_lane
+
+
+class Handler:
+    name = "eqx_logs.spool"  # in errors
+    # Whether custom_jvp/custom_vjp calls whose primal does not log go through their rule too:
+    # their derivative rules, traced later by JAX, may log (see `_rules._rules_only`).
+    wraps_custom_rules = True
+    # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`) even
+    # where no lane value is known. Spool does not need it: a `vmap` outside it selects the
+    # states of untaken branches away (for predicates JAX batches; see `_lanes.py`).
+    tracks_guards = False
+
+    interp: Any = None  # the interpreter it is plugged into (`Interpreter.__init__`)
+
+    def reduction_of(self, key: str, site_reduce: Any) -> Any:
+        """The reduction of `key` (or "drop"), uncached (`Plan.reduction_of` caches it)."""
+        return method(self.interp.policy, "reduction")(key, site_reduce)
+
+    def run(self, closed: Any, args: Sequence[Any]) -> Any:
+        raise NotImplementedError
+
+    # -- events -----------------------------------------------------------------------------
+
+    def event(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> None:
+        """Handle one log equation (its operands may be `Lazy`, see `_deferred.py`), updating
+        `states` in place."""
+        raise NotImplementedError
+
+    def sown(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> Any:
+        """The outputs of an `eqx_logs.sow` (its value, which `plant` replaces)."""
+        del states
+        return _compat.bind_eqn(eqn, invals)
+
+    def statistics(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+        """The outputs of a statistics equation (`log_stats`, `instrument`; see
+        `_stats.stats_p`). What consumes the logs (spool, tap) makes them per lane under a
+        `vmap` around it; what re-evaluates a function inside them (masking, plant) binds
+        them otherwise."""
+        return _compat.bind_eqn(per_lane(eqn), invals)
+
+    # -- states -----------------------------------------------------------------------------
+
+    def keys(self, closed: Any) -> tuple[str, ...]:
+        """The states that `closed` updates."""
+        self.interp.count(closed)
+        return ()
+
+    def settle(
+        self, states: dict[str, Any], keys: Any = None, *, arrays: bool = True
+    ) -> dict[str, Any]:
+        """The states of `keys` (all by default) as they pass through a function JAX traces
+        (a loop body, a branch)."""
+        return dict(states) if keys is None else {k: states[k] for k in keys}
+
+    def threadable(self, states: dict[str, Any]) -> dict[str, Any]:
+        """`states` as arrays, to pass through a function JAX traces separately."""
+        return states
+
+    def streamed(self, body: Any, length: Any) -> dict[str, int]:
+        """The keys whose events a scan over `body` returns as its `ys` (`_stream.py`)."""
+        del body, length
+        return {}
+
+    # -- context ----------------------------------------------------------------------------
+
+    def guarded(self, pred: Callable[[], Any], lane: Any) -> Any:
+        """A context for `Interpreter.guard`."""
+        del pred, lane
+        return contextlib.nullcontext()
+
+    def snapshot(self) -> tuple[dict[str, Any], Any]:
+        """The handler's part of `Interpreter.snapshot`: `(arrays, static)`."""
+        return {}, None
+
+    def restored(self, context: dict[str, Any], static: Any) -> Any:
+        del context, static
+        return contextlib.nullcontext()
+
+    def on_device(self, args: Sequence[Any]) -> Any:
+        """A context for evaluating a shard_map's body on one device, whose blocks of the
+        operands are `args`."""
+        del args
+        return contextlib.nullcontext()
+
+    def device_states(self, states: dict[str, Any]) -> dict[str, Any]:
+        """A device's states, from its blocks of them (entering a shard_map's body)."""
+        return states
+
+    def device_blocks(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
+        """A device's blocks of its states (leaving a shard_map's body over `naxes` axes)."""
+        del naxes
+        return states
+
+    def rule(self, eqn: _compat.JaxprEqn, rule: Any) -> Any:
+        """The rule that evaluates `eqn` (`rule`, the table's, by default)."""
+        del eqn
+        return rule

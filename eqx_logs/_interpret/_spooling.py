@@ -1,0 +1,192 @@
+"""spool's handler: events folded into one reduction state per key (`_store.py`), finalized
+into a `LogDict` after the run."""
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+
+from .. import _lanes
+from .._deferred import Lazy, force
+from .._logdict import LogDict
+from .._methods import method
+from .._primitive import rebind
+from . import _stream
+from ._handler import Handler
+from ._manual import check_across, merge_across
+from ._nonfinite import FIRST, FirstNonfinite
+from ._values import known as _known, vmap_n
+
+
+class Spool(Handler):
+    """Folds each selected event into its key's state; `keep`: the events also pass on to an
+    enclosing spool or tap."""
+
+    def __init__(self, keep: bool = False):
+        self.keep = keep
+
+    def keys(self, closed: Any) -> tuple[str, ...]:
+        """The keys with a state (selected, not dropped) logged in `closed`; and where
+        those log, the state that finds the first non-finite event (`FIRST`), if tracked."""
+        interp = self.interp
+        keys = tuple(k for k in interp.count(closed) if k in interp.store.reductions)
+        return (*keys, FIRST) if keys and interp.first is not None else keys
+
+    def settle(
+        self, states: dict[str, Any], keys: Any = None, *, arrays: bool = True
+    ) -> dict[str, Any]:
+        return self.interp.store.settle(states, keys, arrays=arrays)
+
+    def streamed(self, body: Any, length: Any) -> dict[str, int]:
+        return _stream.streamed(self.interp, body, length)
+
+    def stream_state(self, key: str) -> dict[str, Any]:
+        return _stream.stream_state(self.interp.store, key)
+
+    def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
+        return _stream.stream_events(self.interp.store, key, state)
+
+    def add_stream(
+        self, key: str, state: dict[str, Any], ys: Any, per_iteration: int, reverse: bool
+    ):
+        return _stream.add_stream(self.interp.store, key, state, ys, per_iteration, reverse)
+
+    def event(self, eqn: Any, invals: list[Any], states: dict[str, Any]) -> None:
+        """Fold the events of one log equation into the states. Operands computed only for
+        logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
+        inside the `lax.cond` that folds it in."""
+        interp = self.interp
+        store, lanes = interp.store, interp.lanes
+        params = eqn.params
+        selected = interp.plan.selects(params["tags"])
+        if not selected or self.keep:
+            # not ours (or kept): an enclosing spool sees it
+            rebind(eqn, invals, lanes.mask())
+        if not selected:
+            return
+        treedef = params["treedef"]
+        n_leaves = treedef.num_leaves
+        items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
+        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        mask = force(invals[-1:])[0] if params["masked"] else True
+        lane = lanes.mask()
+        if lane is not None:
+            mask = jnp.logical_and(mask, lane)
+        # Keys without a state here are dropped by a Policy rule, or logged by a custom
+        # derivative rule but not by its primal (`_rules.py`): those pass on, and warn if no
+        # enclosing spool or tap captures them.
+        passed = [k for k in items if k not in states and not interp.plan.dropped(k)]
+        if passed:
+            rebind(eqn, invals, lanes.mask(), keys=passed, rule=interp.rule_name)
+        keys = [k for k in items if k in states]
+        if interp.first is not None and keys:
+            invals = [*force(invals[:n_leaves]), *invals[n_leaves:]]  # checked: all needed
+            for key in keys:
+                value = [invals[i] for i in jtu.tree_leaves(items[key])]
+                interp.first.check(interp, key, value, steps, mask, params, states)
+        by_lane = [k for k in keys if store.info[k].lanes_as_events and params["nbatch"]]
+        if by_lane:
+            keys = [k for k in keys if k not in by_lane]
+            leaves = force(invals[:n_leaves])
+            self._lane_events(by_lane, items, leaves, steps, mask, params["nbatch"], states)
+        valid = {}
+        for key in keys:
+            states[key], valid[key] = store.gate(key, states[key], steps, mask)
+
+        def fold(sub, leaves):
+            for key in keys:
+                value = jtu.tree_map(lambda i: leaves[i], items[key])
+                sub[key] = store.fold(key, sub[key], store.event_of(key, value, steps), valid[key])
+            return sub
+
+        lazy = any(isinstance(x, Lazy) for x in invals[:n_leaves])
+        if not lazy or all(isinstance(v, bool) for v in valid.values()):
+            states.update(fold({k: states[k] for k in keys}, force(invals[:n_leaves])))
+        else:  # computed only if some event is kept
+            kept = functools.reduce(jnp.logical_or, [jnp.any(v) for v in valid.values()])
+
+            def folded(sub):
+                return store.settle(fold(sub, force(invals[:n_leaves], {})))
+
+            states.update(lax.cond(kept, folded, lambda s: s, store.settle(states, keys)))
+
+    def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
+        """Each lane of a batched event as an event of its own (`KeyInfo.lanes_as_events`)."""
+        store = self.interp.store
+        for key in keys:
+            value = jtu.tree_map(lambda i: leaves[i], items[key])
+            batch = jnp.shape(jtu.tree_leaves(value)[0])[:nbatch]
+            lane_mask = True if mask is True else _lanes.fit(mask, batch)
+            for idx in np.ndindex(*batch):
+                lane_steps = {
+                    n: x[idx] if jnp.shape(x)[: len(batch)] == batch else x
+                    for n, x in steps.items()
+                }
+                lane = jtu.tree_map(lambda x: x[idx], value)
+                m = True if lane_mask is True else lane_mask[idx]
+                states[key], valid = store.gate(key, states[key], lane_steps, m)
+                event = store.event_of(key, lane, lane_steps)
+                states[key] = store.fold(key, states[key], event, valid)
+
+    def run(self, closed: Any, args: Sequence[Any]) -> tuple[list[Any], LogDict]:
+        interp = self.interp
+        store, policy = interp.store, interp.policy
+        counts = interp.plan.recount(closed)
+        states = store.setup(counts)
+        if policy.first_nonfinite:
+            interp.first = FirstNonfinite(store)
+            states[FIRST] = interp.first.init()
+        outs, states = interp.eval(closed, args, states, settle=False)
+        first = states.pop(FIRST, None)
+        states = store.settle(states, arrays=False)  # what is known now stays so
+        for key, state in states.items():
+            for channel in store.channels[key]:
+                store.check_size(key, channel, state[channel])
+        check_across(store.info, policy.across)
+        # keys with the same batch shape are finalized under one vmap: a vmap per key costs
+        # more to trace than most finalizations
+        by_batch: dict[tuple[int, ...], dict[str, Any]] = {}
+        for key, state in states.items():
+            state, batch = merge_across(
+                store.info[key],
+                state,
+                store.channels[key],
+                store.bounds[key],
+                functools.partial(store.lane_struct, key),
+                policy.across,
+            )
+            by_batch.setdefault(batch, {})[key] = state
+        values, count, steps, names, rows, same = {}, {}, {}, {}, {}, set()
+        for batch, group in by_batch.items():
+            finished = vmap_n(lambda g: {k: store.finish(k, s) for k, s in g.items()}, len(batch))
+            for key, (key_rows, finals) in finished(group).items():
+                name = policy.prefix + key
+                reduction = store.reductions[key]
+                count[name] = group[key]["count"]
+                names[name] = type(reduction).__name__
+                if reduction.event_axes:
+                    rows[name] = key_rows
+                    if _known(key_rows) and _known(count[name]):
+                        if np.array_equal(key_rows, count[name]):
+                            same.add(name)
+                for channel, out in finals.items():
+                    out = method(store.channels[key][channel], "place_batch_axes")(out, len(batch))
+                    if channel == "value":
+                        values[name] = out
+                    else:
+                        steps.setdefault(channel.removeprefix("step:"), {})[name] = out
+        logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
+        logs._rows_are_counts = frozenset(same)
+        # counts known now and equal share one output (`LogDict._count_groups`)
+        known: dict[Any, list[str]] = {}
+        for name, c in count.items():
+            if _known(c):
+                known.setdefault((c.shape, c.dtype.str, c.tobytes()), []).append(name)
+        logs._count_groups = tuple(tuple(g) for g in known.values() if len(g) > 1)
+        if first is not None:
+            logs._nonfinite = (interp.first.finish(first["value"]), interp.first.tables())
+        return outs, logs

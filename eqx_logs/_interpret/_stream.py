@@ -1,0 +1,162 @@
+"""Events a scan streams out.
+
+A key whose events in a scan body are all kept for sure (no cond, mask or interval decides
+them), the same number in every iteration, and stacked (Stack, the default), leaves the scan as
+its `ys`, as by hand: no buffer in the carry, no write per iteration. The scan rule asks
+`streamed` which keys of a body stream, starts each iteration with `stream_state`, takes each
+iteration's events out with `stream_events` and adds them after the scan with `add_stream`.
+"""
+
+from typing import Any
+
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jax import lax
+
+from .. import _compat, _lanes
+from .._buffers import Stack
+from .._methods import method
+from .._primitive import is_log
+from ._keys import keys_of
+from ._store import FRESH, STREAM, Pending, Store
+from ._values import counter, plus, stop_gradients, vmap_n
+
+
+def streamed(interp: Any, body: Any, length: Any) -> dict[str, int]:
+    """The keys `body` can stream out (see above), with their events per iteration. The
+    events of a scan nested in `body` that streams them count too, as one block (where no
+    lane value can reach that scan, see `_lanes.py`: a lane guard would mask them)."""
+    store = interp.store
+    if not store.reductions or interp.policy.interval != 1 or interp.lanes.guards:
+        return {}  # (no states at all: `_masking`'s interpreter only re-binds logs)
+    if interp.first is not None:
+        return {}  # each event needs its index in the key's events, which a state counts
+    if not isinstance(length, int):
+        return {}
+    per_iteration: dict[str, int] = {}
+    excluded: set[str] = set()
+    nested = not interp.lanes.values and not _lanes.has_lanes(body, nested=True)
+    for eqn in _compat.unpack(body)[0].eqns:
+        if is_log(eqn):
+            if not interp.plan.selects(eqn.params["tags"]):
+                continue
+            for key in keys_of(eqn):
+                if key not in store.reductions:
+                    continue
+                if eqn.params["masked"] or store.info[key].lanes_as_events:
+                    excluded.add(key)
+                per_iteration[key] = per_iteration.get(key, 0) + 1
+        elif interp.plan.eqn_has_log(eqn):
+            inner = {}
+            if nested and eqn.primitive.name == _compat.SCAN:
+                inner_body, _, _ = _compat.scan_parts(eqn)
+                inner_length = _compat.scan_options(eqn)["length"]
+                inner = streamed(interp, inner_body, inner_length)
+                for key, n in inner.items():
+                    per_iteration[key] = per_iteration.get(key, 0) + n * inner_length
+            excluded.update(k for k in interp.plan.rule(eqn).count(interp, eqn) if k not in inner)
+    return {
+        k: n
+        for k, n in per_iteration.items()
+        if n and k not in excluded and all(_streams(r) for r in store.channels[k].values())
+    }
+
+
+def stream_state(store: Store, key: str) -> dict[str, Any]:
+    """The state a streamed key starts every iteration with."""
+    state = {"count": counter(store.batch_shape(key))}
+    return state | {channel: Pending(STREAM, ()) for channel in store.channels[key]}
+
+
+def stream_events(store: Store, key: str, state: dict[str, Any]) -> dict[str, Any]:
+    """The events of one iteration of a streamed key, per channel: stacked, or the one
+    event itself."""
+    out = {}
+    for channel in store.channels[key]:
+        pending = state[channel]
+        assert isinstance(pending, Pending) and pending.state is STREAM, key
+        events = pending.events
+        if any(isinstance(e, _Block) for e in events):  # a nested scan's events among them
+            # (a block left its scan stopped already)
+            parts = [
+                e.events if isinstance(e, _Block) else _one_row(stop_gradients(e)) for e in events
+            ]
+            out[channel] = jtu.tree_map(lambda *v: jnp.concatenate(v), *parts)
+            if sum(_rows_of(p) for p in parts) == 1:
+                out[channel] = jtu.tree_map(lambda x: x[0], out[channel])
+            continue
+        if len(events) > 1:
+            events = [jtu.tree_map(lambda *v: jnp.stack(v), *events)]
+        out[channel] = stop_gradients(events[0])
+    return out
+
+
+def add_stream(
+    store: Store,
+    key: str,
+    state: dict[str, Any],
+    ys: dict[str, Any],
+    per_iteration: int,
+    reverse: bool,
+) -> dict[str, Any]:
+    """`state` after the events a scan streamed out: `ys`, per channel, shaped
+    `(iterations, events per iteration, *batch, ...)`, without the second axis for one
+    event per iteration."""
+    state = dict(state)
+    nbatch = store.info[key].nbatch
+    n = None
+    for channel, block in ys.items():
+
+        def flat(x):
+            x = jnp.flip(x, 0) if reverse else x  # execution order
+            if per_iteration != 1:  # (none: a nested scan of length 0)
+                x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+            return x
+
+        block = jtu.tree_map(flat, block)
+        n = jtu.tree_leaves(block)[0].shape[0]
+        old = state[channel]
+        if isinstance(old, Pending) and old.state is STREAM:  # an outer scan streams on
+            state[channel] = Pending(STREAM, (*old.events, _Block(block)))
+            continue
+        # the lanes' layout: batch axes first
+        block = jtu.tree_map(lambda x: jnp.moveaxis(x, 0, nbatch), block)
+        batch = store.batch_shape(key)
+        if isinstance(old, Pending) and old.state is FRESH and not old.events:
+            if n == store.bounds[key]:  # the events are the whole buffer
+                state[channel] = {"buffer": block, "index": counter(batch, n)}
+                continue
+        old = store.settle_channel(key, channel, old, arrays=False)
+        extend = method(store.channels[key][channel], "extend")
+        state[channel] = vmap_n(extend, nbatch)(old, block)
+    if n is not None:
+        state["count"] = plus(state["count"], n)
+    if isinstance(state["value"], dict) and "buffer" in state["value"]:
+        state["value"] = store.info[key].shard_like_values(state["value"])
+    return state
+
+
+# -- the whole program ----------------------------------------------------------------
+
+
+class _Block:
+    """Among a streamed key's pending events: those a nested scan streamed out, stacked on a
+    leading axis (`add_stream`)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self, events: Any):
+        self.events = events
+
+
+def _one_row(event: Any) -> Any:
+    return jtu.tree_map(lambda x: lax.expand_dims(x, (0,)), event)
+
+
+def _rows_of(block: Any) -> int:
+    return jtu.tree_leaves(block)[0].shape[0]
+
+
+def _streams(reduction: Any) -> bool:
+    """Whether a channel's events can leave a scan as its `ys`: stacked in full."""
+    return type(reduction) is Stack and reduction.capacity is None and reduction.keep == "first"

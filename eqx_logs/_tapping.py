@@ -1,0 +1,409 @@
+"""tap's handler: each selected log event becomes an ordered host callback, gated on the
+device by the policy's interval (a counter per group of keys is threaded as the states)."""
+
+import contextlib
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+
+from . import _compat
+from ._deferred import force
+from ._interpret import INTERVAL_STEP, Handler, keys_of
+from ._primitive import is_log, rebind
+from ._rules import RULES, _split, inline_copy_apply
+
+_STRAIGHT = _compat.INLINE_CALLS | _compat.CUSTOM_CALLS
+
+
+def _numeric(x: Any) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
+
+
+def _zero_of(args: Any) -> Any:
+    """A zero computed from every input (`Tap._lanes`), from none of its elements:
+    an empty slice. (Not of inputs sharded over Explicit mesh axes, which cannot be flattened
+    without naming a sharding; vmap does not batch those.)"""
+    empty = [
+        jnp.ravel(x)[:0].sum(dtype=jnp.int32)
+        for x in args
+        if _numeric(x) and _compat.explicit_spec(jax.typeof(x)) is None
+    ]
+    return functools.reduce(jnp.add, empty, jnp.int32(0))
+
+
+def _tap_shard_map_apply(interp, eqn, invals, states):
+    """spool's rule: each device calls back with its own events (a callback in a shard_map
+    runs on every device), its mesh coordinates among the steps, its own counters (scalars
+    inside, see `on_device`/`device_states`), so `interval` counts each device's events. The
+    callback needs every mesh axis manual."""
+    _, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
+    if set(axes) != set(mesh.axis_names):
+        raise ValueError(
+            f"eqx_logs.tap: a shard_map over only some of its mesh's axes (manual {axes}, "
+            f"mesh {mesh.axis_names}) logs; tap needs every axis manual there (the callback "
+            "runs on each device). Use `eqx_logs.spool`, or make every axis manual."
+        )
+    return RULES[_compat.SHARD_MAP].apply(interp, eqn, invals, states)
+
+
+TAP_RULES = {
+    **RULES,
+    _compat.SHARD_MAP: RULES[_compat.SHARD_MAP]._replace(apply=_tap_shard_map_apply),
+}
+
+
+class Tap(Handler):
+    """Turns each selected log event into an ordered host callback, gated on the device by
+    the policy's interval (a per-key event counter is threaded).
+
+    Counters stay Python ints while they are known at trace time (straight-line code, and
+    after a scan handled below), so events the interval skips cost nothing and kept ones need
+    no `cond`. A scan whose body logs each of its counters' keys exactly once per iteration,
+    entered with known counters, is split at trace time into runs of iterations without
+    events and single iterations with one (`_peeled_scan`): the skipped iterations compile
+    without the logged computation at all.
+    """
+
+    # Under a `vmap` outside `tap`, a cond or while with a batched predicate runs its branches
+    # or body for every lane, callbacks included: each event carries the conditions it is
+    # under, per lane, and the host drops the lanes where they do not hold.
+    tracks_guards = True
+
+    name = "eqx_logs.tap"
+
+    def __init__(self, sink: Callable, every_process: bool, context: Any):
+        self.sink = sink
+        self.every_process = every_process
+        self.context = context
+        self._silent = False  # inside iterations whose events the interval skips
+        self._guards: list[Any] = []
+        # Values that change in every iteration of the loops around an event, passed to its
+        # callback (and ignored there): under grad, JAX's scan partial eval would otherwise
+        # hoist a callback whose operands are loop-invariant out of the loop, running it once.
+        self._loop_tokens: list[Any] = []
+        # A zero computed from every input: under a `vmap` outside `tap`, JAX calls a callback
+        # once per lane only if an operand is batched; with this one, unbatched events too.
+        self._lanes: Any = None
+
+    @contextlib.contextmanager
+    def guarded(self, pred: Callable[[], Any], lane: Any):
+        # a lane value with lane axes belongs to a vmap inside tap: it masks events instead
+        self._guards.append(pred() if lane is None or jnp.ndim(lane) else lane)
+        try:
+            yield
+        finally:
+            self._guards.pop()
+
+    @contextlib.contextmanager
+    def on_device(self, args):
+        lanes = self._lanes  # (computed from the global inputs, which stay outside)
+        self._lanes = _zero_of(args)
+        try:
+            yield
+        finally:
+            self._lanes = lanes
+
+    def device_states(self, states):  # a device's counters: scalars
+        return self.threadable({g: jnp.reshape(c, ()) for g, c in states.items()})
+
+    def device_blocks(self, states, naxes):
+        return {g: jnp.reshape(c, (1,) * naxes) for g, c in self.threadable(states).items()}
+
+    def threadable(self, states):
+        """Counters as arrays: one per device for the keys a shard_map logs (outside it;
+        inside, each device's own, varying over the mesh)."""
+        manual = self.interp.manual
+        if manual.axes:
+            return {
+                g: _compat.vary(jnp.int32(c), manual.vary) if isinstance(c, int) else c
+                for g, c in states.items()
+            }
+        return {
+            g: jnp.full(self._per_device.get(g, ()), c, jnp.int32) if isinstance(c, int) else c
+            for g, c in states.items()
+        }
+
+    # (`streamed`: none, events reach the host, not a scan's outputs; `settle`: counters
+    # only, which rules make arrays where they must, see `rule`)
+
+    def snapshot(self):
+        tap = {"guards": self._guards, "tokens": self._loop_tokens, "lanes": self._lanes}
+        return tap, self._silent
+
+    @contextlib.contextmanager
+    def restored(self, context, static):
+        saved = self._guards, self._loop_tokens, self._lanes, self._silent
+        self._guards, self._loop_tokens = list(context["guards"]), list(context["tokens"])
+        self._lanes, self._silent = context["lanes"], static
+        try:
+            yield
+        finally:
+            self._guards, self._loop_tokens, self._lanes, self._silent = saved
+
+    def run(self, closed: Any, args: Any) -> list[Any]:
+        interp = self.interp
+        plan = interp.plan
+        counts = interp.count(closed)
+        kept = [k for k in counts if not plan.dropped(k)]
+        # Keys logged by exactly the same log equations always have the same number of events,
+        # so they share one event counter: fewer scalar ops in every loop iteration.
+        groups: dict[frozenset, str] = {}
+        self._group = {}
+        for key in kept:
+            sites = frozenset(plan.eqns_of[key])
+            self._group[key] = groups.setdefault(sites, f"group{len(groups)}")
+        self._kept = dict.fromkeys(kept)
+        # the counters of keys logged inside a shard_map: one per device
+        self._per_device = {
+            self._group[k]: plan.info[k].batch_shape()[: len(plan.info[k].mesh)]
+            for k in kept
+            if plan.info[k].mesh
+        }
+        self._lanes = _zero_of(args)
+        outs, _ = interp.eval(closed, args, dict.fromkeys(groups.values(), 0))
+        return outs
+
+    def keys(self, closed: Any) -> tuple[str, ...]:
+        """The event counters (one per group of keys) that `closed` updates."""
+        keys = [k for k in self.interp.count(closed) if k in self._kept]
+        return tuple(dict.fromkeys(self._group[k] for k in keys))
+
+    def rule(self, eqn, rule):
+        if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
+            return rule
+        if eqn.primitive.name in _compat.REMAT:
+            # recomputed in the backward pass, callbacks included: like a custom derivative,
+            # outputs from the call with its logs stripped, events from an inline copy
+            return rule._replace(apply=inline_copy_apply)
+
+        def apply(interp, eqn, invals, states):
+            if eqn.primitive.name == _compat.SCAN:
+                peeled = self._peeled_scan(eqn, invals, states)
+                if peeled is not None:
+                    return peeled
+            return rule.apply(interp, eqn, invals, self.threadable(states))
+
+        return rule._replace(apply=apply)
+
+    def _groups_of(self, eqn) -> list[str]:
+        keys = keys_of(eqn)
+        return list(dict.fromkeys(self._group[k] for k in keys if k in self._kept))
+
+    def _per_iteration(self, closed: Any) -> dict[str, int] | None:
+        """How often each counter advances in one evaluation of `closed`, if that is the same
+        every time (no conditional or masked events); else None."""
+        plan = self.interp.plan
+        total: dict[str, int] = {}
+        for eqn in _compat.unpack(closed)[0].eqns:
+            if is_log(eqn):
+                if not plan.selects(eqn.params["tags"]):
+                    continue
+                groups = self._groups_of(eqn)
+                if groups and (eqn.params["masked"] or INTERVAL_STEP in eqn.params["steps"]):
+                    return None  # conditional, or kept by its step value
+                for g in groups:
+                    total[g] = total.get(g, 0) + 1
+            elif plan.eqn_has_log(eqn):
+                name = eqn.primitive.name
+                if name in _STRAIGHT or name in _compat.REMAT:
+                    sub = self._per_iteration(_compat.call_jaxpr(eqn))
+                    if sub is None:
+                        return None
+                    for g, n in sub.items():
+                        total[g] = total.get(g, 0) + n
+                elif any(k in self._kept for k in plan.rule(eqn).count(self.interp, eqn)):
+                    return None
+        return total
+
+    def _peeled_scan(self, eqn, invals, states):
+        """Evaluate a scan as [quiet iterations] + blocks of [one iteration with its event,
+        `interval - 1` quiet iterations] + [a last partial block], when the event each
+        iteration makes is known at trace time to be kept or skipped. None if not applicable."""
+        interp = self.interp
+        period = interp.policy.interval
+        if self._silent:
+            return None
+        body, num_consts, num_carry = _compat.scan_parts(eqn)
+        options = _compat.scan_options(eqn)
+        groups = self.keys(body)
+        length = options["length"]
+        if period == 1 or options["reverse"] or not groups or not isinstance(length, int):
+            return None  # (a symbolic length, under jax.export, is not split)
+        if not length:
+            return None
+        if any(not isinstance(states[g], int) for g in groups):
+            return None
+        if len({states[g] % period for g in groups}) != 1:
+            return None
+        if self._per_iteration(body) != dict.fromkeys(groups, 1):
+            return None
+        unroll = options["unroll"]
+        consts, carry, xs = _split(invals, num_consts, num_carry)
+        head = min(-states[groups[0]] % period, length)
+        blocks = (length - head) // period
+        tail = length - head - blocks * period
+        kept_now = dict.fromkeys(groups, 0)  # a counter at 0: this iteration's event is kept
+
+        def loud(carry, x):
+            outs, _ = interp.eval(body, [*consts, *carry, *x], kept_now)
+            return outs[:num_carry], outs[num_carry:]
+
+        def quiet(carry, xs_part, n):
+            def step(carry, x):
+                outs, _ = interp.eval(body, [*consts, *carry, *x], dict.fromkeys(groups, 0))
+                return outs[:num_carry], outs[num_carry:]
+
+            self._silent, silent = True, self._silent
+            try:
+                return lax.scan(step, carry, xs_part, length=n, unroll=unroll)
+            finally:
+                self._silent = silent
+
+        def block(carry_index, xs_block):
+            carry, index = carry_index
+            self._loop_tokens.append(index)
+            try:
+                carry, y = loud(carry, [x[0] for x in xs_block])
+            finally:
+                self._loop_tokens.pop()
+            carry, ys = quiet(carry, [x[1:] for x in xs_block], period - 1)
+            return (carry, index + 1), [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
+
+        pieces = []
+        if head:
+            carry, ys = quiet(carry, [x[:head] for x in xs], head)
+            pieces.append(ys)
+        if blocks:
+            start, stop = head, head + blocks * period
+            shaped = [x[start:stop].reshape((blocks, period) + x.shape[1:]) for x in xs]
+            (carry, _), ys = lax.scan(block, (carry, jnp.int32(0)), shaped, length=blocks)
+            pieces.append([y.reshape((blocks * period,) + y.shape[2:]) for y in ys])
+        if tail:
+            rest = [x[length - tail :] for x in xs]
+            carry, y = loud(carry, [x[0] for x in rest])
+            pieces.append([a[None] for a in y])
+            if tail > 1:
+                carry, ys = quiet(carry, [x[1:] for x in rest], tail - 1)
+                pieces.append(ys)
+        ys = [jnp.concatenate(parts) for parts in zip(*pieces)] if pieces else []
+        states = {**states, **{g: states[g] + length for g in groups}}
+        return [*carry, *ys], states
+
+    def event(self, eqn, invals, states):
+        interp = self.interp
+        params = eqn.params
+        if not interp.plan.selects(params["tags"]):
+            rebind(eqn, invals, interp.lanes.mask())  # not ours: an enclosing one's
+            return
+        if self._silent:  # the interval skips this event
+            return
+        n_leaves = params["treedef"].num_leaves
+        items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
+        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        if interp.manual.axes:  # inside a shard_map: the device's coordinates on its axes
+            steps = {**{a: lax.axis_index(a) for a, _ in interp.manual.axes}, **steps}
+        keys = [k for k in items if k in self._kept and self._group[k] in states]
+        # keys a custom derivative rule logs but its primal does not: as in spool
+        passed = [k for k in items if k not in keys and not interp.plan.dropped(k)]
+        if passed:
+            rebind(eqn, invals, interp.lanes.mask(), keys=passed, rule=interp.rule_name)
+        if not keys:
+            return
+        mask = force(invals[-1:])[0] if params["masked"] else None
+        # Equinox's loops (`_lanes.py`): lanes with axes come from a vmap inside tap and mask
+        # the event; a scalar lane (a vmap outside) is a guard, and gates the counters.
+        lane = interp.lanes.mask()
+        if lane is not None and jnp.ndim(lane):
+            mask = lane if mask is None else jnp.logical_and(mask, lane)
+            lane = None
+        groups = list(dict.fromkeys(self._group[k] for k in keys))
+        wanted: dict[str, Any] = {}
+        tokens = [
+            *self._loop_tokens,
+            *(states[g] for g in groups if not isinstance(states[g], int)),
+        ]
+        period = interp.policy.interval
+        by_step = period > 1 and INTERVAL_STEP in steps  # kept where step % k == 0
+        for g in groups:
+            count = states[g]
+            if mask is None and lane is None and isinstance(count, int):  # known now
+                wanted[g] = (
+                    _multiple(steps[INTERVAL_STEP], period) if by_step else (count % period == 0)
+                )
+                states[g] = count + 1
+                continue
+            if mask is None and lane is None and period == 1:  # always kept
+                wanted[g] = True
+                states[g] = count + 1
+                continue
+            happened = jnp.bool_(True) if mask is None else jnp.any(mask)
+            if lane is not None:
+                happened = jnp.logical_and(happened, lane)
+            count = jnp.asarray(count, jnp.int32)
+            if period == 1:
+                wanted[g] = happened
+            else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
+                number = steps[INTERVAL_STEP] if by_step else count
+                wanted[g] = jnp.logical_and(happened, _multiple(number, period))
+            states[g] = count + happened.astype(jnp.int32)
+        if not any(w is not False for w in wanted.values()):
+            return  # skipped by the interval, known at trace time
+        values = {k: items[k] for k in keys}
+        group_of = {k: self._group[k] for k in keys}
+        prefix, sink = interp.policy.prefix, self.sink
+
+        group_list = list(wanted)
+
+        def host(context, values, steps, meta, mask):
+            # meta: each group's "wanted" flag, then the loop tokens and the lane operand
+            flags = dict(zip(group_list, np.asarray(meta)[: len(group_list)].astype(bool)))
+            values, steps = jax.tree.map(np.asarray, (values, steps))
+            if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
+                mask = np.asarray(mask)
+                steps = {**steps, "valid": mask}
+
+                def hide(v):
+                    if not np.issubdtype(v.dtype, np.inexact):
+                        return v
+                    m = mask.reshape(mask.shape + (1,) * (v.ndim - mask.ndim))
+                    return np.where(m, v, np.nan)
+
+                values = jax.tree.map(hide, values)
+            logs = {prefix + k: v for k, v in values.items() if flags[group_of[k]]}
+            if logs:
+                sink(context, logs, steps)
+
+        flags = {g: jnp.bool_(w) for g, w in wanted.items()}
+        if self._guards:  # only for the host: the device-side gate stays as it is
+            guard = functools.reduce(jnp.logical_and, self._guards)
+            flags = {g: jnp.logical_and(f, guard) for g, f in flags.items()}
+
+        # the scalars travel as one array: fewer buffers to move per callback
+        meta = [*flags.values(), *tokens, self._lanes]
+        meta = jnp.stack([jnp.asarray(m, jnp.int32) for m in meta])
+
+        def emit(memo):  # values only logs use are computed here (`_deferred.py`)
+            forced = jtu.tree_map(lambda x: force([x], memo)[0], values)
+            _compat.host_callback(
+                host, self.context, forced, steps, meta, mask, every_process=self.every_process
+            )
+
+        if all(isinstance(w, bool) for w in wanted.values()):
+            emit(None)  # kept, known at trace time
+        else:
+            kept = functools.reduce(jnp.logical_or, flags.values())
+            lax.cond(kept, lambda: emit({}), lambda: None)
+
+
+def _multiple(number: Any, period: int) -> Any:
+    """Whether `number` (an integer scalar or array) is a multiple of `period`."""
+    if isinstance(number, int | np.integer):
+        return number % period == 0
+    number = jnp.asarray(number)
+    return lax.rem(number, jnp.asarray(period, number.dtype)) == 0
