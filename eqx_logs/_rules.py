@@ -29,14 +29,23 @@ from ._primitive import current_prefix, is_log, log_effect, logging_as
 class Rule(NamedTuple):
     count: Callable[[Interpreter, Any], Counts]
     apply: Callable[[Interpreter, Any, list, dict], tuple[list, dict]]
+    # Evaluates its jaxpr (`_compat.call_jaxpr`) once, in the current trace, as straight-line
+    # code, and threads the states itself: a handler may take its events for its jaxpr's.
+    straight: bool = False
+    # Its jaxpr is evaluated again in the backward pass (a remat): so are its callbacks.
+    recomputed: bool = False
+    # A `lax.scan`: its events may leave as its `ys` (`_interpret/_stream.py`).
+    scan: bool = False
+    # A custom derivative: its rules, traced by JAX later, may log where its primal does not.
+    custom: bool = False
 
 
 RULES: dict[str, Rule] = {}
 
 
-def register(names: str | Iterable[str], count, apply) -> None:
+def register(names: str | Iterable[str], count, apply, **attributes: bool) -> None:
     for name in [names] if isinstance(names, str) else names:
-        RULES[name] = Rule(count, apply)
+        RULES[name] = Rule(count, apply, **attributes)
 
 
 def _split(xs, *sizes):
@@ -59,7 +68,8 @@ def _inline_apply(interp, eqn, invals, states):
     return interp.eval(_compat.call_jaxpr(eqn), invals, states, settle=False)
 
 
-register([*_compat.INLINE_CALLS, _compat.CUSTOM_VMAP], _call_count, _inline_apply)
+register(_compat.INLINE_CALLS, _call_count, _inline_apply, straight=True)
+register(_compat.CUSTOM_VMAP, _call_count, _inline_apply)
 
 
 # -- checkpoint / remat: rebuilt with jax.checkpoint ------------------------------------------
@@ -82,7 +92,7 @@ def _remat_apply(interp, eqn, invals, states):
     return outs, {**states, **sub}
 
 
-register(_compat.REMAT, _remat_count, _remat_apply)
+register(_compat.REMAT, _remat_count, _remat_apply, straight=True, recomputed=True)
 
 
 # -- calls with their logs evaluated separately ----------------------------------------------
@@ -239,8 +249,8 @@ def _custom_count(interp, eqn):
     return counts
 
 
-register(_compat.CUSTOM_JVP, _custom_count, _custom_jvp_apply)
-register(_compat.CUSTOM_VJP, _custom_count, _custom_vjp_apply)
+register(_compat.CUSTOM_JVP, _custom_count, _custom_jvp_apply, straight=True, custom=True)
+register(_compat.CUSTOM_VJP, _custom_count, _custom_vjp_apply, straight=True, custom=True)
 
 
 # -- custom_linear_solve: rebuilt with the states as the solve's auxiliary output ---------------
@@ -420,7 +430,7 @@ def _scan_apply(interp, eqn, invals, states):
     return [*values, *ys], states
 
 
-register(_compat.SCAN, _scan_count, _scan_apply)
+register(_compat.SCAN, _scan_count, _scan_apply, scan=True)
 
 
 # -- while: states ride in the carry; logs in cond_fun run before each test --------------------

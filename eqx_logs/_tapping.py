@@ -18,8 +18,6 @@ from ._interpret import INTERVAL_STEP, Handler, keys_of
 from ._primitive import is_log, rebind
 from ._rules import RULES, _split, inline_copy_apply
 
-_STRAIGHT = _compat.INLINE_CALLS | _compat.CUSTOM_CALLS
-
 
 def _numeric(x: Any) -> bool:
     return jnp.issubdtype(x.dtype, jnp.number) or jnp.issubdtype(x.dtype, jnp.bool_)
@@ -175,15 +173,15 @@ class Tap(Handler):
         return tuple(dict.fromkeys(self._group[k] for k in keys))
 
     def rule(self, eqn, rule):
-        if eqn.primitive.name in _STRAIGHT:  # evaluated inline: known counters stay known
-            return rule
-        if eqn.primitive.name in _compat.REMAT:
+        if rule.recomputed:
             # recomputed in the backward pass, callbacks included: like a custom derivative,
             # outputs from the call with its logs stripped, events from an inline copy
             return rule._replace(apply=inline_copy_apply)
+        if rule.straight:  # evaluated inline: known counters stay known
+            return rule
 
         def apply(interp, eqn, invals, states):
-            if eqn.primitive.name == _compat.SCAN:
+            if rule.scan:
                 peeled = self._peeled_scan(eqn, invals, states)
                 if peeled is not None:
                     return peeled
@@ -210,14 +208,14 @@ class Tap(Handler):
                 for g in groups:
                     total[g] = total.get(g, 0) + 1
             elif plan.eqn_has_log(eqn):
-                name = eqn.primitive.name
-                if name in _STRAIGHT or name in _compat.REMAT:
+                rule = plan.rule(eqn)
+                if rule.straight:
                     sub = self._per_iteration(_compat.call_jaxpr(eqn))
                     if sub is None:
                         return None
                     for g, n in sub.items():
                         total[g] = total.get(g, 0) + n
-                elif any(k in self._kept for k in plan.rule(eqn).count(self.interp, eqn)):
+                elif any(k in self._kept for k in rule.count(self.interp, eqn)):
                     return None
         return total
 

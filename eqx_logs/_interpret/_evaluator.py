@@ -160,9 +160,7 @@ class Interpreter:
                 outs = []
             elif is_sow(eqn):
                 outs = handler.sown(eqn, invals, states)
-            elif plan.eqn_has_log(eqn) or (
-                handler.wraps_custom_rules and eqn.primitive.name in _compat.CUSTOM_CALLS
-            ):
+            elif plan.eqn_has_log(eqn) or (handler.wraps_custom_rules and self._custom(eqn)):
                 outs, states = self.rule(eqn).apply(self, eqn, invals, states)
             else:
                 outs = self.bind_eqn(eqn, invals)
@@ -171,6 +169,10 @@ class Interpreter:
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
         return [read(v) for v in jaxpr.outvars], self.settle(states) if settle else states
+
+    def _custom(self, eqn: _compat.JaxprEqn) -> bool:
+        rule = self.rules.get(eqn.primitive.name)
+        return rule is not None and rule.custom
 
     def _log_only(self, jaxpr: Any) -> tuple[Producers, set[int]]:
         """The equations of `jaxpr` that only logs use (`_deferred.py`), cached."""

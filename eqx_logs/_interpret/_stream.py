@@ -48,7 +48,7 @@ def streamed(interp: Any, body: Any, length: Any) -> dict[str, int]:
                 per_iteration[key] = per_iteration.get(key, 0) + 1
         elif interp.plan.eqn_has_log(eqn):
             inner = {}
-            if nested and eqn.primitive.name == _compat.SCAN:
+            if nested and interp.plan.rule(eqn).scan:
                 inner_body, _, _ = _compat.scan_parts(eqn)
                 inner_length = _compat.scan_options(eqn)["length"]
                 inner = streamed(interp, inner_body, inner_length)
