@@ -120,3 +120,16 @@ def test_unnamed_vmap_axes_are_recorded_as_none():
     closed, _, _ = trace_filtered(jax.vmap(jax.vmap(f), axis_name="b"), (jnp.ones((2, 3)),), {})
     (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "eqx_logs.log"]
     assert eqn.params["axis_names"] == ("b", None)
+
+
+def test_eqn_location_is_the_users_line_not_eqx_logs():
+    # `eqn_location` skips the frames of every eqx_logs module (`log` binds its primitive in
+    # eqx_logs, below the user's call), not only those of the `_compat` package beside it
+    def f(x):
+        el.log("x", x)  # the line named
+        return x
+
+    _, jaxpr, _ = _eqns(f, jnp.float32(1.0))
+    (eqn,) = [e for e in jaxpr.eqns if is_log(e)]
+    where = _compat.eqn_location(eqn)
+    assert where == f"{__file__}:{f.__code__.co_firstlineno + 1} ({f.__qualname__})", where

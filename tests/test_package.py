@@ -247,3 +247,51 @@ def test_make_demo_installs_what_the_examples_need_only():
         if not {_name(d) for d in providers.get(m, [])} & closure
     }
     assert not missing, f"imported, but not installed by `make demo`: {missing}"
+
+
+PRIVATE_JAX = ("jax._src", "jax.core", "jax.interpreters")
+
+
+def _is_private(module: str) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in PRIVATE_JAX)
+
+
+def _private_jax(source: str) -> list[str]:
+    """The private JAX modules that `source` imports or reads as attributes (`jax._src.core`,
+    `from jax._src import core`, `from jax import core`, `jax.interpreters.ad`)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if _is_private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [n for n in names if _is_private(n)][:1]
+        elif isinstance(node, ast.Attribute):
+            dotted = ast.unparse(node)
+            if _is_private(dotted):
+                found.append(dotted)
+    return found
+
+
+@pytest.mark.fast
+def test_private_jax_api_only_in_compat():
+    """Every use of private JAX API (what changes between JAX releases) is in the package
+    `eqx_logs/_compat/`: no other module of eqx_logs imports or reads `jax._src`, `jax.core`
+    or `jax.interpreters`."""
+    for sample in ("import jax._src.core", "from jax._src import core", "from jax import core"):
+        assert _private_jax(sample), sample
+    assert _private_jax("x = jax.interpreters.ad.Zero")
+    assert not _private_jax("import jax.numpy\nfrom jax import core_ops\nx = jax.lax.core")
+    compat = ROOT / "eqx_logs" / "_compat"
+    users = {
+        str(path.relative_to(ROOT)): found
+        for path in sorted((ROOT / "eqx_logs").rglob("*.py"))
+        if (found := _private_jax(path.read_text()))
+    }
+    outside = {
+        path: found for path, found in users.items() if not (ROOT / path).is_relative_to(compat)
+    }
+    assert not outside, f"private JAX API outside eqx_logs/_compat/ (move it there): {outside}"
+    assert any((ROOT / path).is_relative_to(compat) for path in users), users

@@ -1,0 +1,157 @@
+"""Custom derivatives rebuilt with extra inputs and outputs (the reduction states), as JAX's
+checkify does: the same primitive is bound again with new functions for the primal, the
+forward or JVP rule, and the backward rule. The user's rules run once, inside them."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from jax._src import ad_util as _ad_util, core as _core, linear_util as _lu
+from jax._src.ad_util import SymbolicZero as _SymbolicZero
+from jax._src.interpreters import ad as _ad
+
+from ._higher_order import CUSTOM_JVP, close
+from ._types import JaxprEqn
+
+# jax >= 0.12: a flat custom_vjp backward rule returns `(cotangents, logs)` (`vjp.with_logs`)
+_BWD_RETURNS_LOGS = hasattr(_ad, "CustomBwdWithAccums")
+
+
+def _wrap(fun: Callable, like: Any) -> Any:
+    return _lu.wrap_init(fun, debug_info=like.debug_info)
+
+
+def _tangent_zero(x: Any, symbolic: bool) -> Any:
+    aval = _core.typeof(x).to_tangent_aval()
+    return _SymbolicZero(aval) if symbolic else _ad_util.zeros_like_aval(aval)
+
+
+def bind_custom_rules_in(eqn: JaxprEqn, invals: Sequence[Any], context: Callable[[], Any]):
+    """Bind a custom_jvp/custom_vjp equation again as it is, except that its JVP, forward and
+    backward rules (traced later by JAX, if it differentiates) run under the context manager
+    `context()`. For calls whose primal does not log: their rules may."""
+    params = dict(eqn.primitive.get_bind_params(eqn.params))
+    subfuns = list(params.pop("subfuns"))
+
+    def wrap(fun):
+        def wrapped(*args):
+            with context():
+                return fun.call_wrapped(*args)
+
+        return _wrap(wrapped, fun)
+
+    subfuns[1:] = [wrap(f) for f in subfuns[1:]]  # (fun, jvp) or (fun, fwd, bwd)
+    out = eqn.primitive.bind(*invals, subfuns=tuple(subfuns), **params)
+    return list(out)
+
+
+def custom_rule_jaxpr(eqn: JaxprEqn) -> Any:
+    """The user's JVP rule (`custom_jvp_call`) or forward rule (`custom_vjp_call`) of `eqn`,
+    traced as JAX traces it when it differentiates the call with every input's tangent
+    nonzero (JAX memoizes it, so differentiating later traces it no more)."""
+    params = eqn.params
+    n = len(eqn.invars) - params["num_consts"]
+    if eqn.primitive.name == CUSTOM_JVP:
+        jaxpr, consts, _ = params["jvp_jaxpr_fun"].call_wrapped(*[False] * n)
+    else:
+        jaxpr, consts = params["fwd_jaxpr_thunk"].call_wrapped(*[True] * n)
+    return close(jaxpr, consts)
+
+
+def bind_custom_jvp(
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    extra: Sequence[Any],
+    fun: Callable,
+    rule: Callable,
+    rule_context: Callable[[], Any],
+) -> list[Any]:
+    """Bind a `custom_jvp_call` equation again on `[*invals, *extra]`. `fun(invals, extra)`
+    returns `[*outs, *extra_outs]` (the primal); `rule(jvp_jaxpr, primals, tangents, extra)`
+    evaluates the user's JVP jaxpr (on the non-constant inputs and their nonzero tangents)
+    and returns `(outs, nonzero_out_tangents, extra_outs)`. Extra outputs have zero tangents.
+    The user's rule is traced (when JAX differentiates) under the context manager
+    `rule_context()`. Returns `[*outs, *extra_outs]`."""
+    params = eqn.params
+    n_in, num_consts, jvp_fun = len(invals), params["num_consts"], params["jvp_jaxpr_fun"]
+
+    def fun_(*xs):
+        return fun(list(xs[:n_in]), list(xs[n_in:]))
+
+    def jvp_(*xs):
+        n = len(xs) // 2
+        primals, tangents = xs[num_consts:n_in], xs[n + num_consts : n + n_in]
+        zeros = [type(t) is _SymbolicZero for t in tangents]
+        with rule_context():
+            jaxpr, consts, out_zeros = jvp_fun.call_wrapped(*zeros)
+        nonzero = [t for t in tangents if type(t) is not _SymbolicZero]
+        outs, out_tangents, extra_outs = rule(
+            close(jaxpr, consts), list(primals), nonzero, list(xs[n_in:n])
+        )
+        it = iter(out_tangents)
+        symbolic = params["symbolic_zeros"]
+        out_tangents = [
+            _tangent_zero(p, symbolic) if z else next(it) for p, z in zip(outs, out_zeros)
+        ]
+        extra_tangents = [_tangent_zero(x, symbolic) for x in extra_outs]
+        return [*outs, *extra_outs, *out_tangents, *extra_tangents]
+
+    subfuns = (_wrap(fun_, jvp_fun), _wrap(jvp_, jvp_fun))
+    out = eqn.primitive.bind(
+        *invals, *extra, subfuns=subfuns, symbolic_zeros=params["symbolic_zeros"]
+    )
+    return list(out)
+
+
+def bind_custom_vjp(
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    extra: Sequence[Any],
+    fun: Callable,
+    fwd: Callable,
+    fwd_context: Callable[[], Any],
+    bwd_context: Callable[[], Any],
+) -> list[Any]:
+    """Bind a `custom_vjp_call` equation again on `[*invals, *extra]`. `fun(invals, extra)`
+    returns `[*outs, *extra_outs]` (the primal); `fwd(fwd_jaxpr, args, extra)` evaluates the
+    user's forward jaxpr (on the non-constant inputs) and returns `(res_and_outs,
+    extra_outs)`. The user's forward rule is traced under the context manager
+    `fwd_context()`, its backward rule under `bwd_context()`, on the cotangents of `outs`;
+    extra inputs get zero cotangents. Returns `[*outs, *extra_outs]`."""
+    params = eqn.params
+    n_in, num_consts = len(invals), params["num_consts"]
+    thunk, bwd, out_trees = params["fwd_jaxpr_thunk"], params["bwd"], params["out_trees"]
+
+    def fun_(*xs):
+        return fun(list(xs[:n_in]), list(xs[n_in:]))
+
+    def fwd_(*xs):
+        vals, nonzeros = xs[::2], xs[1::2]
+        if any(nonzeros[:num_consts]):
+            raise _ad.CustomVJPException()
+        with fwd_context():
+            jaxpr, consts = thunk.call_wrapped(*nonzeros[num_consts:n_in])
+        res_and_outs, extra_outs = fwd(
+            close(jaxpr, consts), list(vals[num_consts:n_in]), list(vals[n_in:])
+        )
+        return [*res_and_outs, *extra_outs]
+
+    n_out = len(eqn.outvars)
+
+    def bwd_(*xs):
+        num_res = out_trees()[1].num_leaves
+        res, cts = xs[:num_res], xs[num_res : num_res + n_out]
+        with bwd_context():
+            out = bwd.call_wrapped(*res, *cts)
+        cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+        cts_in = [*[None] * num_consts, *cts_in, *[None] * len(extra)]
+        return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
+
+    subfuns = (_wrap(fun_, thunk), _wrap(fwd_, thunk), _wrap(bwd_, bwd))
+    out = eqn.primitive.bind(
+        *invals,
+        *extra,
+        subfuns=subfuns,
+        out_trees=out_trees,
+        symbolic_zeros=params["symbolic_zeros"],
+    )
+    return list(out)
