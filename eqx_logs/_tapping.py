@@ -17,6 +17,7 @@ from ._deferred import force
 from ._interpret import INTERVAL_STEP, Handler, keys_of
 from ._primitive import is_log, rebind
 from ._rules import RULES, _split, inline_copy_apply
+from ._tap_blocks import BLOCK, Blocks
 
 
 def _numeric(x: Any) -> bool:
@@ -75,8 +76,12 @@ class Tap(Handler):
 
     name = "eqx_logs.tap"
 
-    def __init__(self, sink: Callable, every_process: bool, context: Any):
+    def __init__(
+        self, sink: Callable, every_process: bool, context: Any, buffer: int | None = None
+    ):
         self.sink = sink
+        # `buffer=k`: events gathered on the device, k per callback (`_tap_blocks.py`)
+        self.blocks = None if buffer is None else Blocks(buffer, sink, context, every_process)
         self.every_process = every_process
         self.context = context
         self._silent = False  # inside iterations whose events the interval skips
@@ -117,15 +122,17 @@ class Tap(Handler):
         """Counters as arrays: one per device for the keys a shard_map logs (outside it;
         inside, each device's own, varying over the mesh)."""
         manual = self.interp.manual
-        if manual.axes:
-            return {
-                g: _compat.vary(jnp.int32(c), manual.vary) if isinstance(c, int) else c
-                for g, c in states.items()
-            }
-        return {
-            g: jnp.full(self._per_device.get(g, ()), c, jnp.int32) if isinstance(c, int) else c
-            for g, c in states.items()
-        }
+
+        def array(g, c):
+            if g.endswith(BLOCK):  # (never inside a shard_map)
+                return Blocks.threadable(c)
+            if not isinstance(c, int):
+                return c
+            if manual.axes:
+                return _compat.vary(jnp.int32(c), manual.vary)
+            return jnp.full(self._per_device.get(g, ()), c, jnp.int32)
+
+        return {g: array(g, c) for g, c in states.items()}
 
     # (`streamed`: none, events reach the host, not a scan's outputs; `settle`: counters
     # only, which rules make arrays where they must, see `rule`)
@@ -164,13 +171,20 @@ class Tap(Handler):
             if plan.info[k].mesh
         }
         self._lanes = _zero_of(args)
-        outs, _ = interp.eval(closed, args, dict.fromkeys(groups.values(), 0))
+        states = dict.fromkeys(groups.values(), 0)
+        if self.blocks is not None:
+            kept_groups = {k: self._group[k] for k in kept}
+            states |= self.blocks.setup(plan.info, kept_groups, interp.policy.prefix)
+        outs, states = interp.eval(closed, args, states)
+        if self.blocks is not None:
+            self.blocks.finish(states)
         return outs
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The event counters (one per group of keys) that `closed` updates."""
         keys = [k for k in self.interp.count(closed) if k in self._kept]
-        return tuple(dict.fromkeys(self._group[k] for k in keys))
+        groups = tuple(dict.fromkeys(self._group[k] for k in keys))
+        return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 
     def rule(self, eqn, rule):
         if rule.recomputed:
@@ -225,7 +239,7 @@ class Tap(Handler):
         iteration makes is known at trace time to be kept or skipped. None if not applicable."""
         interp = self.interp
         period = interp.policy.interval
-        if self._silent:
+        if self._silent or self.blocks is not None:
             return None
         body, num_consts, num_carry = _compat.scan_parts(eqn)
         options = _compat.scan_options(eqn)
@@ -352,6 +366,12 @@ class Tap(Handler):
             states[g] = count + happened.astype(jnp.int32)
         if not any(w is not False for w in wanted.values()):
             return  # skipped by the interval, known at trace time
+        if self.blocks is not None:
+            guard = functools.reduce(jnp.logical_and, self._guards) if self._guards else None
+            for g, w in wanted.items():
+                mine = {k: items[k] for k in keys if self._group[k] == g}
+                self.blocks.add(states, g, w, mine, steps, mask, guard, tokens)
+            return
         values = {k: items[k] for k in keys}
         group_of = {k: self._group[k] for k in keys}
         prefix, sink = interp.policy.prefix, self.sink

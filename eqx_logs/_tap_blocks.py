@@ -1,0 +1,193 @@
+"""Chunked tap, `tap(..., buffer=k)`: a tap handler option that gathers the events it keeps on
+the device, in a block of k rows per group of keys (keys logged by the same equations), and
+hands each full block to the host in one callback; a partial block goes at the end of the call.
+
+A group's block is a state of its own (`states[group + BLOCK]`), threaded through loops and
+branches as the group's counter is: its rows (each key's values, each step, and for batched
+events the lanes where the event happened) and `fill`, the rows written. An event is written
+at row `fill`, which advances by whether the interval keeps the event; where a row is written
+and not kept, the next event overwrites it.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+
+from . import _compat, _lanes
+from ._buffers import _cast
+from ._deferred import Lazy, force, stop_gradient
+from ._interpret import site_list
+
+BLOCK = "\x00block"  # a group's block state: `states[group + BLOCK]`
+
+
+class Blocks:
+    """The blocks of one tap's groups. `sink(context, logs, steps)` receives each block: `logs`
+    maps each key (with the policy's prefix) to its values, `steps` each step to its values,
+    all with a leading axis of events (and `steps["valid"]`, the lanes where each batched
+    event happened)."""
+
+    def __init__(self, size: int, sink: Callable, context: Any, every_process: bool):
+        self.size, self.sink, self.context = size, sink, context
+        self.every_process = every_process
+
+    def setup(self, info: dict[str, Any], groups: dict[str, str], prefix: str) -> dict:
+        """The first block of each group (`groups`: key -> group), from the keys' `info`."""
+        self.prefix = prefix
+        self.keys: dict[str, list[str]] = {}
+        for key, group in groups.items():
+            where = f"key {key!r} (logged at {site_list(info[key].sites)})"
+            if info[key].mesh:
+                raise ValueError(
+                    f"eqx_logs.tap(buffer={self.size}): {where} is logged inside a shard_map or "
+                    "pmap, where tap does not gather blocks yet. Tap without `buffer` (each "
+                    "device calls back with its own events), or spool inside the shard_map."
+                )
+            if info[key].lanes_as_events:
+                raise ValueError(
+                    f"eqx_logs.tap(buffer={self.size}): {where} is logged under vmaps of "
+                    "different sizes (`lax.map(..., batch_size=k)` with a remainder), whose "
+                    "events cannot share one block. Tap it without `buffer`."
+                )
+            self.keys.setdefault(group, []).append(key)
+        self.info = info
+        return {g + BLOCK: self._empty(g) for g in self.keys}
+
+    def _structs(self, group: str) -> tuple[Any, Any, tuple[int, ...]]:
+        """A group's rows: each key's value, each step; and the batch shape of its events."""
+        first = self.info[self.keys[group][0]]
+        values = {
+            k: jtu.tree_unflatten(self.info[k].treedef, self.info[k].leaves)
+            for k in self.keys[group]
+        }
+        return values, first.steps, first.batch_shape()
+
+    def _empty(self, group: str) -> dict[str, Any]:
+        values, steps, batch = self._structs(group)
+        n = self.size
+        block = {
+            "fill": 0,
+            "values": jtu.tree_map(lambda s: jnp.zeros((n, *s.shape), s.dtype), values),
+            "steps": {name: jnp.full((n, *s.shape), -1, s.dtype) for name, s in steps.items()},
+        }
+        if batch:
+            block["valid"] = jnp.ones((n, *batch), jnp.bool_)
+        return block
+
+    @staticmethod
+    def threadable(block: dict[str, Any]) -> dict[str, Any]:
+        fill = block["fill"]
+        return {**block, "fill": jnp.int32(fill) if isinstance(fill, int) else fill}
+
+    def add(self, states, group, wanted, items, steps, mask, guard, tokens) -> None:
+        """Write one event of `group` (its keys' values `items`, maybe `Lazy`; `steps`; the
+        lanes `mask` where it happened, or None) where `wanted` (the interval keeps it), and
+        send the block if that fills it; `guard` (or None): whether the host takes it (the
+        conditions of the cond branches around it, under a vmap outside the tap)."""
+        if wanted is False:
+            return
+        name = group + BLOCK
+        block = states[name]
+        values_struct, steps_struct, batch = self._structs(group)
+
+        def write(block, memo=None):
+            fill = block["fill"]
+            row = {
+                k: jtu.tree_map(
+                    lambda x, s: _fit(stop_gradient(force([x], memo)[0]), s),
+                    items[k],
+                    values_struct[k],
+                )
+                for k in values_struct
+            }
+            out = {
+                **block,
+                "values": jtu.tree_map(lambda b, x: _put(b, x, fill), block["values"], row),
+                "steps": {
+                    n: _put(b, _step(steps, n, s), fill)
+                    for (n, b), s in zip(block["steps"].items(), steps_struct.values())
+                },
+            }
+            if batch:
+                lanes = True if mask is None else _lanes.fit(mask, batch)
+                out["valid"] = _put(block["valid"], jnp.broadcast_to(lanes, batch), fill)
+            return out
+
+        lazy = any(isinstance(x, Lazy) for x in jtu.tree_leaves(items))
+        if isinstance(wanted, bool) or not lazy:
+            block = write(block)  # a row not kept is overwritten by the next event
+        else:  # computed only if kept
+            block = lax.cond(wanted, lambda b: write(b, {}), lambda b: b, self.threadable(block))
+        fill = block["fill"] + (wanted if isinstance(wanted, bool) else wanted.astype(jnp.int32))
+        if isinstance(fill, int):
+            if fill == self.size:
+                self._send(group, block, self.size, guard, tokens)
+                fill = 0
+        else:
+            full = fill == self.size
+            n = jnp.where(full, self.size, 0)  # (0: the host ignores a call vmap made anyway)
+            lax.cond(full, lambda: self._send(group, block, n, guard, tokens), lambda: None)
+            fill = jnp.where(full, 0, fill)
+        states[name] = {**block, "fill": fill}
+
+    def finish(self, states: dict[str, Any]) -> None:
+        """Send each group's partial block, at the end of the call."""
+        for group in self.keys:
+            block = states[group + BLOCK]
+            fill = block["fill"]
+            if isinstance(fill, int):
+                if fill:
+                    self._send(group, block, fill, None, [])
+            else:
+                send = functools.partial(self._send, group, block, fill, None, [])
+                lax.cond(fill > 0, send, lambda: None)
+
+    def _send(self, group, block, n, guard, tokens) -> None:
+        """Call the sink on the host with the first `n` rows of `block`."""
+        prefix, sink = self.prefix, self.sink
+        meta = [n, True if guard is None else guard, *tokens]
+        meta = jnp.stack([jnp.asarray(m, jnp.int32) for m in meta])
+        rows = {"values": block["values"], "steps": block["steps"], "valid": block.get("valid")}
+
+        def host(context, rows, meta):
+            n, take = int(meta[0]), bool(meta[1])
+            if not n or not take:
+                return
+            values = jtu.tree_map(lambda x: np.asarray(x)[:n], rows["values"])
+            steps = {name: np.asarray(x)[:n] for name, x in rows["steps"].items()}
+            if rows["valid"] is not None:  # lanes where the event did not happen: NaN
+                valid = np.asarray(rows["valid"])[:n]
+                steps["valid"] = valid
+
+                def hide(v):
+                    if not np.issubdtype(v.dtype, np.inexact):
+                        return v
+                    m = valid.reshape(valid.shape + (1,) * (v.ndim - valid.ndim))
+                    return np.where(m, v, np.nan)
+
+                values = jtu.tree_map(hide, values)
+            sink(context, {prefix + k: v for k, v in values.items()}, steps)
+
+        _compat.host_callback(host, self.context, rows, meta, every_process=self.every_process)
+
+
+def _fit(x: Any, s: jax.ShapeDtypeStruct) -> Any:
+    """An event's leaf as its key's (cast, and broadcast along vmap axes it lacks)."""
+    x = _cast(x, s.dtype)
+    return x if jnp.shape(x) == s.shape else jnp.broadcast_to(x, s.shape)
+
+
+def _step(steps: dict[str, Any], name: str, s: jax.ShapeDtypeStruct) -> Any:
+    if name not in steps:
+        return jnp.full(s.shape, -1, s.dtype)
+    return jnp.broadcast_to(jnp.asarray(steps[name], s.dtype), s.shape)
+
+
+def _put(buffer: Any, x: Any, index: Any) -> Any:
+    return lax.dynamic_update_index_in_dim(buffer, jnp.asarray(x, buffer.dtype), index, 0)
