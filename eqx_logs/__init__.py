@@ -8,15 +8,11 @@ from ._buffers import (
     Window as Window,
 )
 from ._instrument import instrument as instrument
+from ._log import log as log, log_grad as log_grad
 from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
 from ._plant import plant as plant, sow as sow
 from ._policy import Policy as Policy
-from ._primitive import (
-    LostEventsWarning as LostEventsWarning,
-    log as log,
-    log_grad as log_grad,
-    scope as scope,
-)
+from ._primitive import LostEventsWarning as LostEventsWarning
 from ._reductions import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,
@@ -31,6 +27,7 @@ from ._reductions import (
     Sum as Sum,
     Var as Var,
 )
+from ._scope import scope as scope
 from ._spool import nolog as nolog, spool as spool
 from ._stats import log_stats as log_stats
 from ._tap import tap as tap

@@ -1,4 +1,5 @@
-"""The `log` primitive and the user-facing functions that bind it: `log`, `log_grad`, `scope`.
+"""The `log` and `sow` primitives, their rules, and the functions that bind them (`bind`,
+`rebind`, `grad_tap`); `log` and `log_grad` (`_log.py`) check what the user logs and bind it.
 
 One call to `log` binds `log_p` once. Its operands are the value leaves of every key, then the
 step scalars, then (if `masked`) a boolean validity mask; its parameters say how to rebuild
@@ -15,25 +16,34 @@ branches, as without vmap.
 flow until a spool or tap interprets it.
 """
 
-import contextlib
-import dataclasses
 import functools
-import os
-import sys
-import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
-from ._buffers import as_reduction
 from ._deferred import force
+
+# (`x as x`: imported from here by the interpreters, `plant`, `instrument` and `log_stats`)
+from ._log_checks import (
+    _check_step as _check_step,
+    _check_value as _check_value,
+    _normalise_tags as _normalise_tags,
+)
+from ._scope import (
+    _call_site as _call_site,
+    _local,
+    _no_context_steps,
+    current_prefix as current_prefix,
+    current_steps,
+    logging_as as logging_as,
+    tracing_context as tracing_context,
+)
 
 
 class LogEffect(_compat.Effect):
@@ -220,355 +230,6 @@ def rebind(
     log_p.bind(*leaves, *steps, *old, **params)
 
 
-# ----------------------------------------------------------------------------------------
-# Scopes and call sites.
-# ----------------------------------------------------------------------------------------
-
-_local = threading.local()
-_package_dir = os.path.dirname(os.path.abspath(__file__))
-
-
-def _scopes() -> list[str]:
-    if not hasattr(_local, "scopes"):
-        _local.scopes = []
-    return _local.scopes
-
-
-@contextlib.contextmanager
-def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None]:
-    """Prefix every key logged inside the block with `name/`, and record `steps` with every
-    event inside it. Scopes nest.
-
-    **Arguments:**
-
-    - `name`: a non-empty string without leading or trailing `/`; or None for no prefix.
-    - `**steps`: integer scalars recorded beside every event logged inside the block (as
-        `log(..., step=i)` does), also those of `instrument`, `log_stats`, `sow` and the
-        backward pass of `log_grad` traced inside it; a step the `log` call names itself
-        wins. Enter it where the step is a traced value (inside the jitted training step,
-        around the model's call): a Python number would be a constant of the compiled program.
-
-    !!! example
-
-        ```python
-        with eqx_logs.scope("encoder"):
-            eqx_logs.log("norm", x)  # logged as "encoder/norm"
-
-        with eqx_logs.scope(step=i):
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(instrumented_model, x)
-        ```
-
-    The prefix is applied when `log` is called (when the function is traced), so it is the
-    same on every retrace: no counters are involved.
-    """
-    site = _call_site()
-    if name is not None and (not isinstance(name, str) or not name or name.strip("/") != name):
-        raise ValueError(
-            f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/' "
-            f"(or None), got {name!r}."
-        )
-    checked = {n: _check_step(n, v, site) for n, v in steps.items()}
-    if checked and not _compat.tracing():
-        raise ValueError(
-            f"eqx_logs.scope({', '.join(f'{n}=...' for n in steps)}) at {site} is entered "
-            "outside any jit or trace: its steps would be constants of the programs compiled "
-            "inside it, one program per value. Enter it inside the jitted function, with the "
-            "step as a traced argument (or log `step=` at each `log` call)."
-        )
-    prefixes, context = _scopes(), _context_steps()
-    if name is not None:
-        prefixes.append(name)
-    # in trace-cache keys: a traced value by identity (a jit traced inside this block is traced
-    # again inside the next, so it never holds an old trace's value), a number by value
-    key = tuple((n, _Traced() if _compat.is_tracer(v) else int(v)) for n, v in checked.items())
-    context.append((checked, key))
-    try:
-        with tracing_context():
-            yield
-    finally:
-        context.pop()
-        if name is not None:
-            prefixes.pop()
-
-
-def _context_steps() -> list[tuple[dict[str, Any], tuple]]:
-    if not hasattr(_local, "steps"):
-        _local.steps = []
-    return _local.steps
-
-
-def current_steps() -> dict[str, Any]:
-    """The steps of the enclosing `scope` blocks (inner ones win)."""
-    merged: dict[str, Any] = {}
-    for steps, _ in _context_steps():
-        merged.update(steps)
-    return merged
-
-
-class _Traced:
-    """A traced step's place in a trace-cache key: equal only to itself."""
-
-    __slots__ = ()
-
-
-def _context_key() -> tuple:
-    return tuple(key for _, key in _context_steps() if key)
-
-
-def current_prefix() -> str:
-    return "/".join(_scopes())
-
-
-@contextlib.contextmanager
-def logging_as(
-    prefix: str, rule: str | None = None, *, enabled: bool | None = True
-) -> Iterator[None]:
-    """Logging on (or as it is, for `enabled=None`), under the scope `prefix` (a function JAX
-    traces later, such as a custom derivative rule, logs as where it was written). `rule`
-    names the custom rule whose events pass on: they are lost, with a `LostEventsWarning`,
-    if no spool or tap captures them."""
-    scopes, old_rule = _scopes(), getattr(_local, "rule", None)
-    saved = list(scopes)
-    scopes[:] = prefix.split("/") if prefix else []
-    _local.rule = rule
-    try:
-        with _no_context_steps(), tracing_context(enabled=enabled):
-            yield
-    finally:
-        scopes[:] = saved
-        _local.rule = old_rule
-
-
-@contextlib.contextmanager
-def tracing_context(enabled: bool | None = None) -> Iterator[None]:
-    """Sets the JAX config states that `log` depends on at trace time (logging on or off, and
-    the scope prefix while on), so that JAX's trace caches tell the cases apart."""
-    with contextlib.ExitStack() as stack:
-        if enabled is not None:
-            stack.enter_context(_compat.logging_enabled(enabled))
-        if _compat.logging_enabled.value:
-            context = _context_key()
-            prefix = (current_prefix(), context) if context else current_prefix()
-            stack.enter_context(_compat.scope_prefix(prefix))
-        yield
-
-
-_contextlib_file = contextlib.__file__
-
-
-def _call_site() -> str:
-    """The user's file:line (function) that called into eqx_logs (a `with` statement, for
-    `scope`)."""
-    frame = sys._getframe(1)
-    while frame is not None and (
-        frame.f_code.co_filename == _contextlib_file
-        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
-    ):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown location>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
-
-
-# ----------------------------------------------------------------------------------------
-# log
-# ----------------------------------------------------------------------------------------
-
-
-class _Missing:
-    """`log`'s second argument when none is given: `log(data)`, not `log(name, value)`. Its
-    repr, `MISSING`, is what signatures show (`help(log)`, the API reference)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "MISSING"
-
-
-_MISSING = _Missing()
-# Attributes of LogDict that a step name would shadow.
-# LogDict's attributes, and the fields of a logger's records (`loggers.records`)
-RESERVED_STEP_NAMES = frozenset({"count", "steps", "reductions", "rows", "key", "value", "run"})
-
-
-def _is_arraylike(x: Any) -> bool:
-    return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
-
-
-def _check_value(key: str, value: Any, site: str) -> list[Any]:
-    try:
-        leaves = jtu.tree_leaves(value)
-    except (ValueError, TypeError, RecursionError, SystemError) as e:  # JAX's own pytree errors
-        raise TypeError(
-            f"eqx_logs.log: key {key!r} at {site} has a value that is not a valid pytree "
-            f"({type(e).__name__}: {str(e)[:200]}): log a dict with keys of one type, nested "
-            "at most a few hundred levels deep."
-        ) from None
-    if not leaves:
-        raise ValueError(
-            f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}."
-        )
-    for leaf in leaves:
-        if not _is_arraylike(leaf):
-            raise TypeError(
-                f"eqx_logs.log: key {key!r} at {site} has a value of type "
-                f"{type(leaf).__name__} ({leaf!r:.60}); only arrays, numpy arrays and Python "
-                "numbers can be logged (log a number that encodes it, or put strings in tags)."
-            )
-        if isinstance(leaf, jax.Array) and jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-            raise TypeError(
-                f"eqx_logs.log: key {key!r} at {site} is a typed PRNG key; log "
-                "`jax.random.key_data(key)` instead."
-            )
-        if isinstance(leaf, np.ndarray | np.generic) and leaf.dtype.kind in "OSUVMm":
-            raise TypeError(
-                f"eqx_logs.log: key {key!r} at {site} has a numpy array of dtype {leaf.dtype}; "
-                "only numbers (bool, int, float, complex) can be logged."
-            )
-        _check_range(f"key {key!r}", leaf, site)
-    return leaves
-
-
-def _check_range(what: str, x: Any, site: str) -> None:
-    """A Python or numpy integer must fit the integer type JAX gives it (int32 without
-    `jax_enable_x64`): JAX would otherwise wrap it silently (2**40 + 7 becomes 7)."""
-    if isinstance(x, bool) or not isinstance(x, int | np.integer | np.ndarray):
-        return
-    if isinstance(x, np.ndarray) and (x.dtype.kind not in "iu" or x.size == 0):
-        return
-    dtype = jnp.int64 if isinstance(x, int) else np.asarray(x).dtype
-    target = jnp.iinfo(jax.dtypes.canonicalize_dtype(dtype))
-    lo, hi = (int(np.min(x)), int(np.max(x))) if isinstance(x, np.ndarray) else (int(x), int(x))
-    if lo < target.min or hi > target.max:
-        raise OverflowError(
-            f"eqx_logs.log: {what} at {site} holds {hi if hi > target.max else lo}, outside "
-            f"{target.dtype} (the type JAX gives it here, and would wrap it to); enable "
-            "`jax_enable_x64`, or log a float."
-        )
-
-
-def _check_step(name: str, value: Any, site: str) -> jax.Array:
-    if name in RESERVED_STEP_NAMES:
-        raise ValueError(
-            f"eqx_logs.log: step name {name!r} at {site} is reserved by LogDict and the "
-            f"loggers' records ({sorted(RESERVED_STEP_NAMES)}); choose another name such as "
-            "'iteration'."
-        )
-    ok = isinstance(value, int) and not isinstance(value, bool)
-    if not ok and isinstance(value, jax.Array | np.ndarray | np.generic):
-        ok = jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value), jnp.integer)
-    if not ok:
-        raise TypeError(
-            f"eqx_logs.log: step {name}={value!r:.60} at {site} must be an integer scalar "
-            "(a Python int or an integer array of shape ()), for example `step=i`. Keyword "
-            f"arguments are step names; to log {name!r} as a value, pass it in the dict: "
-            f"log({{{name!r}: ...}})."
-        )
-    _check_range(f"step {name!r}", value, site)
-    return jnp.asarray(value)
-
-
-def _check_reduce(reduce: Any, site: str) -> None:
-    as_reduction(reduce, where=f"eqx_logs.log at {site}: reduce")
-    try:
-        hash(reduce)
-    except TypeError:
-        raise TypeError(
-            f"eqx_logs.log at {site}: reduce={reduce!r} must be hashable (it is recorded when "
-            "tracing); pass array fields such as a Sample key to spool instead."
-        ) from None
-
-
-def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
-    try:
-        out = (tags,) if isinstance(tags, str) else tuple(tags)
-    except TypeError:
-        out = None
-    if out is None or not all(isinstance(t, str) for t in out):
-        raise TypeError(
-            f"eqx_logs.log: tags at {site} must be a string or a tuple of strings, such as "
-            f"tags='train' or tags=('train', 'debug'); got {tags!r}."
-        )
-    return out
-
-
-def log(
-    data: dict[str, PyTree[ArrayLike]] | str | None = None,
-    value: PyTree[ArrayLike] = _MISSING,
-    /,
-    *,
-    tags: str | tuple[str, ...] = (),
-    reduce: Any = None,
-    **steps: int | ArrayLike,
-) -> None:
-    """Log values from anywhere: a model, a scan body, a cond branch, a vmapped function.
-
-    **Arguments:**
-
-    - `data`: a dict from key (a string) to value (a pytree of arrays or Python numbers); or a
-        key, with the value as the second argument: `log("loss", loss)`.
-    - `tags`: strings that spool's and tap's `tags=`/`exclude=` filters select on.
-    - `reduce`: the reduction for these keys, a name (`"mean"`) or a reduction; used unless a
-        spool's Policy rule matches the key. Two sites naming different reductions for one key
-        is an error.
-    - `**steps`: named integer scalars recorded beside every key of this call, for example
-        `step=i, episode=e`; read back as `logs.step[key]`, `logs.episode[key]`.
-
-    **Returns:**
-
-    None. Outside any `spool` or `tap` this does nothing and adds nothing to compiled code.
-
-    !!! example
-
-        ```python
-        def f(x):
-            eqx_logs.log({"x": x, "x2": x**2}, step=0)
-            return x + 1
-
-        out, logs = eqx_logs.spool(f)(1.0)  # logs["x"] == [1.0], logs.step["x"] == [0]
-        ```
-    """
-    site = _call_site()
-    if data is None:  # `log(loss=x)`: a value passed as a step
-        names = ", ".join(f"{k}=..." for k in steps)
-        example = next(iter(steps), "loss")
-        raise TypeError(
-            f"eqx_logs.log({names}) at {site} logs no value: keyword arguments are step names "
-            f"(step=i), recorded beside the values. Log a value as "
-            f"log({{{example!r}: x}}) or log({example!r}, x)."
-        )
-    if value is not _MISSING:
-        if not isinstance(data, str):
-            raise TypeError(
-                f"eqx_logs.log(name, value) at {site} needs a string name, got "
-                f"{type(data).__name__}; use log({{name: value}}) for several keys."
-            )
-        data = {data: value}
-    elif not isinstance(data, dict):
-        raise TypeError(
-            f"eqx_logs.log at {site} takes a dict from key to value, or a name and a value; "
-            f"got {type(data).__name__}."
-        )
-    if reduce is not None:
-        _check_reduce(reduce, site)
-    tags = _normalise_tags(tags, site)
-    prefix = current_prefix()
-    items = {}
-    for key, val in data.items():
-        if not isinstance(key, str) or not key:
-            raise TypeError(
-                f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
-                f"got {key!r} of type {type(key).__name__}."
-            )
-        _check_value(key, val, site)
-        items[f"{prefix}/{key}" if prefix else key] = val
-    step_vals = {name: _check_step(name, s, site) for name, s in steps.items()}
-    if not _compat.logging_enabled.value:
-        _dropped(site, getattr(_local, "rule", None))  # a custom rule's, traced too late
-        return None
-    bind(items, step_vals, tags=tags, reduce=reduce, site=site)
-
-
 def bind(
     items: dict[str, Any],
     steps: dict[str, Any],
@@ -602,7 +263,7 @@ def bind(
 
 
 # ----------------------------------------------------------------------------------------
-# log_grad
+# log_grad's backward pass
 # ----------------------------------------------------------------------------------------
 
 
@@ -639,59 +300,6 @@ def _grad_tap_bwd(items_of, site, tags, steps, ct):
 
 
 _grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
-
-
-@contextlib.contextmanager
-def _no_context_steps() -> Iterator[None]:
-    """Without the steps of the `scope` blocks around: in a function JAX traces apart (a
-    custom derivative rule), whose events carry what was captured where it was called."""
-    saved = list(_context_steps())
-    _context_steps().clear()
-    try:
-        yield
-    finally:
-        _context_steps()[:] = saved
-
-
-@dataclasses.dataclass(frozen=True)
-class _Cotangent:
-    key: str
-    statistics = False  # its items are cotangents, not statistics of them
-
-    def __call__(self, ct: Any) -> dict[str, Any]:
-        return {self.key: ct}
-
-
-def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
-    """Identity on `x`; in the backward pass, logs the cotangent of `x` under `name`.
-
-    **Arguments:**
-
-    - `name`: the key (scopes apply, as for `log`).
-    - `x`: a pytree of floating-point arrays.
-
-    **Returns:**
-
-    `x`, unchanged.
-
-    !!! example
-
-        ```python
-        def loss(w, x):
-            h = eqx_logs.log_grad("dh", jnp.tanh(w * x))
-            return jnp.sum(h**2)
-
-        g, logs = eqx_logs.spool(jax.grad(loss))(w, x)  # logs["dh"][0] == d loss / d h
-        ```
-    """
-    site = _call_site()
-    if not isinstance(name, str) or not name:
-        raise TypeError(f"eqx_logs.log_grad at {site} needs a non-empty string name, got {name!r}.")
-    _check_value(name, x, site)
-    if not _compat.logging_enabled.value:
-        return x
-    prefix = current_prefix()
-    return grad_tap(_Cotangent(f"{prefix}/{name}" if prefix else name), site, x)
 
 
 # ----------------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from eqx_logs.loggers import (
     WriterError,
     read_arrays,
     read_jsonl,
+    unique_name,
 )
-from eqx_logs.loggers._base import unique_name
 from eqx_logs.loggers._mlflow import metric_name
 
 _CHILD = textwrap.dedent(

@@ -18,8 +18,7 @@ from helpers import check_aligned
 from jax import lax
 
 import eqx_logs
-from eqx_logs.loggers import ConsoleLogger, JsonlLogger, read_jsonl, records
-from eqx_logs.loggers._base import safe_name
+from eqx_logs.loggers import ConsoleLogger, JsonlLogger, read_jsonl, records, safe_name
 
 pytestmark = pytest.mark.fast  # in `make test-fast`
 

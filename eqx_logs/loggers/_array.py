@@ -7,8 +7,8 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import (
-    AbstractLogger,
+from ._base import AbstractLogger
+from ._host import (
     Record,
     flat_items,
     host_array,

@@ -2,268 +2,27 @@
 
 import abc
 import functools
-import hashlib
-import math
-import os
-import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
-import numpy as np
-from jaxtyping import Array, ArrayLike, Int, PRNGKeyArray
+from jaxtyping import ArrayLike, PRNGKeyArray
 
 from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
-from .._retrace import fun_key, note_compile
 from .._spool import build, build_wrapper, spool as _spool
 from .._tap import check_tap_options, tap_with
-from .._warn import warn_user
-from ._packed import Packed, pack, stand_in, unpack
+from . import _plumbing
+from ._host import Record
+from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
+from ._state import LoggerState, _run_index
+from ._transfer import _nbytes, _one_process, _Packing
 from ._writer import ON_FULL, STALL_TIMEOUT, Writer
 
 _T = TypeVar("_T")
-Record = dict[str, Any]
-
-
-def to_host(tree: _T) -> _T:
-    """`jax.device_get(tree)`: its arrays as numpy arrays, waiting for the device. On an
-    accelerator every copy is started first, so that they overlap; on the CPU, where starting
-    one costs about 10 us an array and saves nothing, each array is read directly."""
-    if _accelerator():
-        return jax.device_get(tree)
-    return jax.tree.map(np.asarray, tree)
-
-
-@functools.cache
-def _accelerator() -> bool:
-    return jax.default_backend() != "cpu"
-
-
-def with_events(logs: LogDict) -> LogDict:
-    """`logs` on the host (numpy), without the keys that hold no event (a count of 0): their
-    values are never fetched. Waits for the device to compute them."""
-    counts = to_host(logs.count)
-    empty = [key for key in logs if not np.any(counts[key])]
-    if empty:
-        logs = logs._without(empty)
-    return to_host(logs)
-
-
-def records(
-    logs: LogDict, warn: Callable[[str, type[Warning]], None] | None = None
-) -> Iterator[Record]:
-    """One record per event for stacked keys (the real rows only), one per key otherwise:
-    `{"key": ..., "value": ..., "count": ..., <step name>: ...}`, all plain Python/numpy. A
-    key without events (a count of 0) has none. `warn(message, category)` says when a
-    stack's buffer held fewer events than it kept (default: `warnings.warn`)."""
-    logs = with_events(logs)
-    for key, value in logs.items():
-        count = np.asarray(logs.count[key])
-        steps = {name: per_key[key] for name, per_key in logs.steps.items() if key in per_key}
-        leaves = jax.tree.leaves(value)
-        if key in logs.rows and leaves:  # an event axis: a record per real event or window
-            length = leaves[0].shape[0]
-            if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
-                (warn or warn_user)(
-                    f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
-                    f"holds {int(np.max(logs.rows[key]))}: the rest are not written. With "
-                    "`interval`, this happens when the logged `step` repeats; pass "
-                    "`reduce=eqx_logs.Stack(capacity=N)` or log a step that grows with every "
-                    "event.",
-                    UserWarning,
-                )
-            for i in range(int(np.max(logs.rows[key]))):
-                row = jax.tree.map(lambda x: x[i], value)
-                # steps line up with the rows, except for Collect (whose rows are elements)
-                row_steps = {
-                    n: s[i] if np.ndim(s) and np.shape(s)[0] == length else s
-                    for n, s in steps.items()
-                }
-                yield {"key": key, "value": row, **row_steps}
-        else:
-            yield {"key": key, "value": value, "count": count, **steps}
-
-
-_NONFINITE_RUNS = "nonfinite-runs"  # `Writer.memo`'s key: the runs reported non-finite
-
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
-
-
-def safe_name(key: str) -> str:
-    """`key` as a file name that stays inside its directory: `../../x` becomes `x`,
-    `a/b` becomes `a__b`, and anything outside `[A-Za-z0-9._=-]` becomes `_`."""
-    parts = [_UNSAFE.sub("_", p) for p in key.split("/")]
-    parts = [p for p in parts if p.strip(".")]
-    return "__".join(parts) or "_"
-
-
-_HASHED = re.compile(r"-[0-9a-f]{8}$")
-
-
-def distinct_name(name: str, key: str, limit: int) -> str:
-    """`name` (what a backend can store for `key`) made distinct for distinct keys: `key`
-    itself where `name` is `key`, fits in `limit` characters and cannot be mistaken for a
-    hashed name; otherwise `name`, cut to `limit - 9` characters, plus `-` and a short hash
-    of `key`."""
-    if name == key and len(key) <= limit and not _HASHED.search(key):
-        return key
-    return f"{name[: limit - 9]}-{hashlib.sha1(key.encode()).hexdigest()[:8]}"
-
-
-def unique_name(key: str) -> str:
-    """`safe_name(key)` as a file name distinct for every key (`distinct_name`): `a/b`,
-    `a__b` and `a__b-3ec69c85` get three names, and long keys fit a file name."""
-    return distinct_name(safe_name(key), key, 120)
-
-
-def to_python(x: Any) -> Any:
-    """JSON-friendly: numpy scalars and arrays to Python numbers and lists; NaN and infinities
-    become the strings `"nan"`, `"inf"`, `"-inf"`."""
-    if isinstance(x, dict):  # a pytree value: JSON keys are strings
-        return {k if isinstance(k, str) else str(k): to_python(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [to_python(v) for v in x]
-    arr = host_array(x)
-    if arr.ndim == 0:
-        item = arr.item()
-        if isinstance(item, complex):
-            return [to_python(item.real), to_python(item.imag)]
-        return item if not isinstance(item, float) or math.isfinite(item) else str(item)
-    if arr.dtype.kind in "biu" or (arr.dtype.kind == "f" and np.isfinite(arr).all()):
-        return arr.tolist()  # (in C: an element at a time in Python costs 100x as much)
-    return [to_python(v) for v in arr]
-
-
-def host_array(x: Any) -> np.ndarray:
-    """`x` as a numpy array that plain numpy (and every backend) understands: float types
-    numpy lacks (bfloat16, float8, ...) become float32, and narrow integer types (int4,
-    uint2, ...) int8 or uint8, which hold them exactly."""
-    x = np.asarray(x)
-    if jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.floating):
-        return x.astype(np.float32)
-    if jnp.issubdtype(x.dtype, jnp.integer) and not np.issubdtype(x.dtype, np.integer):
-        return x.astype(np.int8 if jnp.iinfo(x.dtype).min < 0 else np.uint8)
-    return x
-
-
-def flat_items(key: str, value: Any) -> Iterator[tuple[str, np.ndarray]]:
-    """A (possibly pytree) value as `(key/path, array)` pairs: `{"a": x}` under `k` gives
-    `("k/a", x)`. Arrays as by `host_array`."""
-    for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-        name = "/".join(str(getattr(p, "key", getattr(p, "idx", p))) for p in path)
-        yield (f"{key}/{name}" if name else key), host_array(leaf)
-
-
-def finite(x: np.ndarray) -> np.ndarray:
-    """The finite entries of `x`, flattened (all of them for integer and bool arrays)."""
-    return x[np.isfinite(x)] if np.issubdtype(x.dtype, np.inexact) else x.ravel()
-
-
-def is_scalar(x: np.ndarray) -> bool:
-    """A single real number (a 0-d or one-element bool, integer or float array)."""
-    return x.size == 1 and (np.issubdtype(x.dtype, np.number) or x.dtype == bool)
-
-
-def not_complex(leaf: np.ndarray) -> str | None:
-    """For a backend's `_unstorable`: why it cannot store `leaf` if complex, else None."""
-    if np.iscomplexobj(leaf):
-        return (
-            "complex values (log `jnp.real(x)` and `jnp.imag(x)`, or `jnp.abs(x)`, under keys "
-            "of their own)"
-        )
-    return None
-
-
-def require(module: str, extra: str, who: str) -> Any:
-    """Import an optional backend, or say which extra installs it."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(
-            f"{who} needs {module.split('.')[0]}: pip install '.[{extra}]' from the eqx_logs "
-            f"checkout (or pip install {module.split('.')[0]})"
-        ) from e
-
-
-def steps_of(record: Record) -> dict[str, Any]:
-    """The step values of a record (everything but key and value)."""
-    return {k: v for k, v in record.items() if k not in ("key", "value")}
-
-
-def rows_by_step(
-    records: list[Record], step: str, histogram: Callable[[np.ndarray], Any]
-) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    """Records as rows for a tracker with a W&B-like `log(row, step=)` (W&B, trackio): each a
-    dict from tag to a number (scalars) or `histogram(finite entries as float64)` (arrays).
-    Returns the rows of records with a `step`, merged by step, and those without, in order."""
-    by_step: dict[int, dict[str, Any]] = {}
-    stepless: list[dict[str, Any]] = []
-    for r in records:
-        row: dict[str, Any] = {}
-        for tag, value in flat_items(r["key"], r["value"]):
-            if is_scalar(value):
-                row[tag] = value.reshape(()).item()
-            else:
-                row[tag] = histogram(finite(value).astype(np.float64))
-        if step in r:
-            by_step.setdefault(int(np.asarray(r[step])), {}).update(row)
-        else:
-            stepless.append(row)
-    return by_step, stepless
-
-
-def process_suffix(every_process: bool) -> str:
-    """What this process adds to the names of the files or runs it writes: nothing in a
-    single-process run, nor on process 0 by default (it writes the run's events); otherwise
-    `.process<k>` (with `every_process`, every process writes a copy of its own; without,
-    only the events of its own devices inside a `shard_map` reach process k > 0)."""
-    if jax.process_count() == 1:
-        return ""
-    index = jax.process_index()
-    return f".process{index}" if every_process or index else ""
-
-
-def process_path(path: str, every_process: bool) -> str:
-    """`path` with `process_suffix` before its extension: `logs.jsonl` -> `logs.process1.jsonl`."""
-    root, ext = os.path.splitext(path)
-    return root + process_suffix(every_process) + ext
-
-
-class LoggerState(eqx.Module):
-    """What `AbstractLogger.init` returns: the run this state writes to. Under `jax.vmap`
-    over states each lane writes to its own run."""
-
-    run: Int[Array, ""]
-
-
-def _run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
-    if key is None:
-        return jnp.int32(0)
-    key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
-    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        return jax.random.randint(key, (), 0, 2**31 - 1, dtype=jnp.int32)
-    if key.dtype == jnp.uint32 and key.shape == (2,):  # a raw `jax.random.PRNGKey`
-        return jax.random.randint(key, (), 0, 2**31 - 1, dtype=jnp.int32)
-    if key.shape != () or not jnp.issubdtype(key.dtype, jnp.integer):
-        raise TypeError(
-            "logger.init(key) takes a jax.random.key, an integer run index or None; got an "
-            f"array of shape {key.shape} and dtype {key.dtype}. For one run per seed use "
-            "`jax.vmap(logger.init)(jax.random.split(key, n))`."
-        )
-    return key.astype(jnp.int32)
-
-
-class NonfiniteWarning(RuntimeWarning):
-    """A spooled call's logs held a NaN or an infinity (`first_nonfinite=True`): the message
-    names the first such event."""
 
 
 class AbstractLogger(eqx.Module):
@@ -554,135 +313,27 @@ class AbstractLogger(eqx.Module):
     def __exit__(self, *exc):
         self.close()
 
-    # --- plumbing ---------------------------------------------------------------------------
+    # --- plumbing (defined in `_plumbing.py`) ----------------------------------------------
     #
     # What runs for every step calls methods through the class: Equinox hands out each bound
     # method of a module as a module of its own (`eqx.Module.__getattribute__`), which costs
-    # about 50 us to build, as much as a small training step.
+    # about 50 us to build, as much as a small training step. A backend may override
+    # `_unstorable`: why it cannot store a leaf (checked before writing).
 
     def _check(self) -> None:
         self._writer.check()
 
-    def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
-        # a host callback: raise a pending writer error, so that inside `jax.jit` too it
-        # surfaces from the next call (as a JaxRuntimeError naming the WriterError)
-        cls = type(self)
-        cls._submit_logs(self, state, logs)
-        cls._check(self)
-
-    def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
-        rows = [{"key": key, "value": value, **steps} for key, value in logs.items()]
-        cls = type(self)
-        cls._submit(self, int(state.run), rows)
-        cls._check(self)
-
-    def _unstorable(self, leaf: np.ndarray) -> str | None:
-        """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
-        None. Checked before writing: a key it rejects is named, and the others are written."""
-        del leaf
-        return None
-
-    def _started(self) -> Writer:
-        writer = self._writer
-        if writer.finish is None:
-            writer.name = type(self).__name__
-            writer.finish = functools.partial(type(self)._finish, self)
-            writer.write_logs = functools.partial(type(self)._write_logs, self)
-        return writer
-
-    def _submit_logs(
-        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
-    ) -> None:
-        """Hand `logs` (arrays, on the device or not, or packed by `logger.jit`; `size`
-        bytes in all) to the writer thread, which fetches them (`_fetch`) and writes them
-        (`_write_logs`). Values the backend cannot store are named here, from their types
-        and shapes."""
-        cls = type(self)
-        writer = cls._started(self)
-        rejected = {}
-        if cls._unstorable is not AbstractLogger._unstorable:  # a backend that checks
-            if isinstance(logs, Packed):  # the same for every call of a step
-                layout = logs.layout
-                if layout not in writer.memo:
-                    writer.memo[layout] = cls._rejected_logs(self, stand_in(layout))
-                rejected = writer.memo[layout]
-            else:
-                rejected = cls._rejected_logs(self, logs)
-                if rejected:
-                    logs, size = logs._without(rejected), None
-        if size is None:
-            size = _nbytes(logs)
-        drop = tuple(rejected) if isinstance(logs, Packed) else ()
-        writer.submit(writer.write_logs, (state, logs, drop), size, ready=_fetch)
-        _reject(self, rejected)
-
-    def _rejected_logs(self, logs: LogDict) -> dict[str, str]:
-        """`_rejected` of the rows of `logs`, from their leaves' types and shapes alone."""
-
-        def row(key: str, leaf: Any) -> np.ndarray:
-            shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
-            return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
-
-        leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
-        return type(self)._rejected(self, leaves)
-
-    def _submit(self, run: int, rows: list[Record]) -> None:
-        """Hand records of host values (tap's events) to the writer thread."""
-        cls = type(self)
-        writer = cls._started(self)
-        rejected = {}
-        if cls._unstorable is not AbstractLogger._unstorable:
-            leaves = ((r["key"], x) for r in rows for _, x in flat_items(r["key"], r["value"]))
-            rejected = cls._rejected(self, leaves)
-            rows = [r for r in rows if r["key"] not in rejected]
-        size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
-        writer.submit(functools.partial(cls._write_run, self), (run, rows), size)
-        _reject(self, rejected)
-
-    def _rejected(self, leaves: Iterable[tuple[str, np.ndarray]]) -> dict[str, str]:
-        """The keys among `(key, leaf)` whose leaf the backend cannot store, and why."""
-        unstorable = type(self)._unstorable
-        return {key: why for key, leaf in leaves if (why := unstorable(self, leaf)) is not None}
-
-    def _write_logs(self, item: tuple[np.ndarray, LogDict | None]) -> None:
-        """On the writer thread: write fetched logs (`_fetch`), one run per lane of a state
-        under `vmap` (a run written nothing is opened all the same); keep the
-        `first_nonfinite` report for the caller."""
-        runs, logs = item
-        writer = self._writer
-        for lane in np.ndindex(runs.shape):
-            run = int(runs[lane])
-            if logs is None:  # no events
-                if run not in writer.handles:
-                    type(self)._write_run(self, (run, []))
-                continue
-            lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
-            rows = list(records(lane_logs, writer.notify))
-            if rows or run not in writer.handles:
-                type(self)._write_run(self, (run, rows))
-            if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
-                # one report per run: a NaN carries on through the steps after it
-                reported = writer.memo.setdefault(_NONFINITE_RUNS, set())
-                if run not in reported:
-                    reported.add(run)
-                    writer.notify(
-                        f"{type(self).__name__} (run {run}): {event}. Later non-finite "
-                        "values of this run are not reported.",
-                        NonfiniteWarning,
-                    )
-
-    def _write_run(self, item: tuple[int, list[Record]]) -> None:
-        run, rows = item
-        handles = self._writer.handles
-        if run not in handles:
-            handles[run] = self._open(run)
-        self._write(handles[run], run, rows)
-
-    def _finish(self) -> None:
-        handles = self._writer.handles
-        while handles:
-            _, handle = handles.popitem()
-            self._close(handle)
+    _spool_host = _plumbing._spool_host
+    _tap_host = _plumbing._tap_host
+    _unstorable = _plumbing._unstorable
+    _started = _plumbing._started
+    _submit_logs = _plumbing._submit_logs
+    _rejected_logs = _plumbing._rejected_logs
+    _submit = _plumbing._submit
+    _rejected = _plumbing._rejected
+    _write_logs = _plumbing._write_logs
+    _write_run = _plumbing._write_run
+    _finish = _plumbing._finish
 
 
 def _is_none(x: Any) -> bool:
@@ -709,77 +360,6 @@ def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | 
         cls._submit_logs(logger, state, logs, _nbytes(logs))
 
 
-def _reject(logger: AbstractLogger, rejected: dict[str, str]) -> None:
-    if rejected:
-        raise ValueError(
-            f"{type(logger).__name__} cannot store "
-            + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
-            + ". The other keys of this write were written."
-        )
-
-
-@functools.cache
-def _one_process() -> bool:
-    # (asked once arrays exist, so after any `jax.distributed.initialize`)
-    return jax.process_count() == 1
-
-
-def _nbytes(logs: LogDict) -> int:
-    """Roughly the bytes `logs` holds: its values' (counts and steps are a few more)."""
-    leaves = map(_leaves, logs.values())
-    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for xs in leaves for x in xs)
-
-
-def _leaves(value: Any) -> list[Any]:
-    return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
-
-
-def _fetch(
-    items: list[tuple[LoggerState, LogDict | Packed, tuple[str, ...]]],
-) -> list[tuple[np.ndarray, LogDict | None]]:
-    """On the writer thread, before the backend's turn: wait for the device, then fetch the
-    run indices and counts (or small leaves, packed) of every write queued in a row (one
-    transfer), and the keys that hold events of those that have any (another). `(runs, None)`
-    for a write without events. `drop`: keys not to write (a backend cannot store them)."""
-    heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
-    more = {  # packed writes whose counts hold an event: all of their small leaves now
-        i: list(logs.buffers)
-        for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
-        if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
-    }
-    for i, buffers in to_host(more).items():
-        heads[i] = (heads[i][0], buffers)
-    keep = {}
-    for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
-        if isinstance(logs, Packed) and not isinstance(head, list):
-            continue  # (the counts alone, none of them an event)
-        if isinstance(logs, Packed):
-            logs = unpack(logs, head)
-            logs = logs._without(drop) if drop else logs
-            head = logs.count  # (numpy arrays)
-        count = head
-        empty = [key for key in logs if not count[key].any()]  # (numpy arrays)
-        if len(empty) < len(logs) or logs._nonfinite is not None:
-            keep[i] = logs._without(empty) if empty else logs
-    fetched = to_host(keep)
-    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(heads)]
-
-
-def _any_event(logs: Packed, counts: np.ndarray) -> bool:
-    """Whether the buffer of a packed write's counts (`_head`) counts an event."""
-    return bool(counts[list(logs.layout.counts[1])].any())
-
-
-def _head(logs: LogDict | Packed) -> Any:
-    """What `_fetch` reads of every write first: the counts; for a packed write, the buffer
-    that holds them (or every buffer)."""
-    if not isinstance(logs, Packed):
-        return logs.count
-    if logs.layout.counts is not None:
-        return logs.buffers[logs.layout.counts[0]]
-    return list(logs.buffers)
-
-
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
 # (an Equinox model's arrays are leaves) and the state, like `eqx.filter_jit(fun)`.
 
@@ -804,16 +384,6 @@ class _LoggerSpooled(eqx.Module):
         out, logs = self.spooled(*args, **kwargs)
         _write(logger, logs, self.state)
         return out
-
-
-class _Packing(eqx.Module):
-    spooled: Callable
-
-    def __call__(self, *args, **kwargs):  # traced by `eqx.filter_jit`
-        fun = self.spooled.__wrapped__
-        note_compile("logger.jit", fun_key(fun), fun, args, kwargs)
-        out, logs = self.spooled(*args, **kwargs)
-        return out, pack(logs)
 
 
 class _LoggerJitted(eqx.Module):

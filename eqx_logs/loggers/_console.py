@@ -5,7 +5,8 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record, steps_of
+from ._base import AbstractLogger
+from ._host import Record, steps_of
 
 
 def _float(x: Any) -> str:

@@ -6,7 +6,8 @@ from typing import IO
 
 import equinox as eqx
 
-from ._base import AbstractLogger, Record, process_path, to_python
+from ._base import AbstractLogger
+from ._host import Record, process_path, to_python
 
 
 class JsonlLogger(AbstractLogger):

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 
-from ._base import (
-    AbstractLogger,
+from ._base import AbstractLogger
+from ._host import (
     Record,
     distinct_name,
     flat_items,

@@ -4,8 +4,10 @@ from typing import Any
 import equinox as eqx
 
 from .._warn import warn_user
-from ._base import AbstractLogger, LoggerState, Record
+from ._base import AbstractLogger
+from ._host import Record
 from ._run_config import as_config
+from ._state import LoggerState
 from ._writer import Writer, WriterError, WriterWarning
 
 

@@ -3,7 +3,8 @@ from typing import Any
 
 import numpy as np
 
-from ._base import AbstractLogger, Record, flat_items, is_scalar, require
+from ._base import AbstractLogger
+from ._host import Record, flat_items, is_scalar, require
 
 # With a total: the scalars first (so a narrow terminal still shows the loss), then the bar.
 _FORMAT = "{desc} {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}]"

@@ -9,16 +9,8 @@ from typing import IO, Any
 import equinox as eqx
 import numpy as np
 
-from ._base import (
-    AbstractLogger,
-    Record,
-    finite,
-    flat_items,
-    is_scalar,
-    not_complex,
-    process_suffix,
-    require,
-)
+from ._base import AbstractLogger
+from ._host import Record, finite, flat_items, is_scalar, not_complex, process_suffix, require
 from ._run_config import flat_config
 
 

@@ -7,14 +7,8 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
-from ._base import (
-    AbstractLogger,
-    Record,
-    not_complex,
-    process_suffix,
-    require,
-    rows_by_step,
-)
+from ._base import AbstractLogger
+from ._host import Record, not_complex, process_suffix, require, rows_by_step
 
 
 class _RunIds:

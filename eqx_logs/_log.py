@@ -1,0 +1,143 @@
+"""`log` and `log_grad`: the user-facing functions that check what they are given and bind
+the `log` primitive (`_primitive.py`) under the enclosing scopes."""
+
+import dataclasses
+from typing import Any
+
+from jaxtyping import ArrayLike, PyTree
+
+from . import _compat
+from ._log_checks import _check_reduce, _check_step, _check_value, _normalise_tags
+from ._primitive import _dropped, bind, grad_tap
+from ._scope import _call_site, _local, current_prefix
+
+
+class _Missing:
+    """`log`'s second argument when none is given: `log(data)`, not `log(name, value)`. Its
+    repr, `MISSING`, is what signatures show (`help(log)`, the API reference)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+_MISSING = _Missing()
+
+
+def log(
+    data: dict[str, PyTree[ArrayLike]] | str | None = None,
+    value: PyTree[ArrayLike] = _MISSING,
+    /,
+    *,
+    tags: str | tuple[str, ...] = (),
+    reduce: Any = None,
+    **steps: int | ArrayLike,
+) -> None:
+    """Log values from anywhere: a model, a scan body, a cond branch, a vmapped function.
+
+    **Arguments:**
+
+    - `data`: a dict from key (a string) to value (a pytree of arrays or Python numbers); or a
+        key, with the value as the second argument: `log("loss", loss)`.
+    - `tags`: strings that spool's and tap's `tags=`/`exclude=` filters select on.
+    - `reduce`: the reduction for these keys, a name (`"mean"`) or a reduction; used unless a
+        spool's Policy rule matches the key. Two sites naming different reductions for one key
+        is an error.
+    - `**steps`: named integer scalars recorded beside every key of this call, for example
+        `step=i, episode=e`; read back as `logs.step[key]`, `logs.episode[key]`.
+
+    **Returns:**
+
+    None. Outside any `spool` or `tap` this does nothing and adds nothing to compiled code.
+
+    !!! example
+
+        ```python
+        def f(x):
+            eqx_logs.log({"x": x, "x2": x**2}, step=0)
+            return x + 1
+
+        out, logs = eqx_logs.spool(f)(1.0)  # logs["x"] == [1.0], logs.step["x"] == [0]
+        ```
+    """
+    site = _call_site()
+    if data is None:  # `log(loss=x)`: a value passed as a step
+        names = ", ".join(f"{k}=..." for k in steps)
+        example = next(iter(steps), "loss")
+        raise TypeError(
+            f"eqx_logs.log({names}) at {site} logs no value: keyword arguments are step names "
+            f"(step=i), recorded beside the values. Log a value as "
+            f"log({{{example!r}: x}}) or log({example!r}, x)."
+        )
+    if value is not _MISSING:
+        if not isinstance(data, str):
+            raise TypeError(
+                f"eqx_logs.log(name, value) at {site} needs a string name, got "
+                f"{type(data).__name__}; use log({{name: value}}) for several keys."
+            )
+        data = {data: value}
+    elif not isinstance(data, dict):
+        raise TypeError(
+            f"eqx_logs.log at {site} takes a dict from key to value, or a name and a value; "
+            f"got {type(data).__name__}."
+        )
+    if reduce is not None:
+        _check_reduce(reduce, site)
+    tags = _normalise_tags(tags, site)
+    prefix = current_prefix()
+    items = {}
+    for key, val in data.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(
+                f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
+                f"got {key!r} of type {type(key).__name__}."
+            )
+        _check_value(key, val, site)
+        items[f"{prefix}/{key}" if prefix else key] = val
+    step_vals = {name: _check_step(name, s, site) for name, s in steps.items()}
+    if not _compat.logging_enabled.value:
+        _dropped(site, getattr(_local, "rule", None))  # a custom rule's, traced too late
+        return None
+    bind(items, step_vals, tags=tags, reduce=reduce, site=site)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cotangent:
+    key: str
+    statistics = False  # its items are cotangents, not statistics of them
+
+    def __call__(self, ct: Any) -> dict[str, Any]:
+        return {self.key: ct}
+
+
+def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
+    """Identity on `x`; in the backward pass, logs the cotangent of `x` under `name`.
+
+    **Arguments:**
+
+    - `name`: the key (scopes apply, as for `log`).
+    - `x`: a pytree of floating-point arrays.
+
+    **Returns:**
+
+    `x`, unchanged.
+
+    !!! example
+
+        ```python
+        def loss(w, x):
+            h = eqx_logs.log_grad("dh", jnp.tanh(w * x))
+            return jnp.sum(h**2)
+
+        g, logs = eqx_logs.spool(jax.grad(loss))(w, x)  # logs["dh"][0] == d loss / d h
+        ```
+    """
+    site = _call_site()
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"eqx_logs.log_grad at {site} needs a non-empty string name, got {name!r}.")
+    _check_value(name, x, site)
+    if not _compat.logging_enabled.value:
+        return x
+    prefix = current_prefix()
+    return grad_tap(_Cotangent(f"{prefix}/{name}" if prefix else name), site, x)

@@ -1,0 +1,172 @@
+"""Scopes and call sites: the key prefix and the steps of the enclosing `scope` blocks
+(per thread), the trace-time context that JAX's trace caches key on, and the user's
+file:line that error messages name."""
+
+import contextlib
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from jaxtyping import ArrayLike
+
+from . import _compat
+from ._log_checks import _check_step
+
+_local = threading.local()
+_package_dir = os.path.dirname(os.path.abspath(__file__))
+
+
+def _scopes() -> list[str]:
+    if not hasattr(_local, "scopes"):
+        _local.scopes = []
+    return _local.scopes
+
+
+@contextlib.contextmanager
+def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None]:
+    """Prefix every key logged inside the block with `name/`, and record `steps` with every
+    event inside it. Scopes nest.
+
+    **Arguments:**
+
+    - `name`: a non-empty string without leading or trailing `/`; or None for no prefix.
+    - `**steps`: integer scalars recorded beside every event logged inside the block (as
+        `log(..., step=i)` does), also those of `instrument`, `log_stats`, `sow` and the
+        backward pass of `log_grad` traced inside it; a step the `log` call names itself
+        wins. Enter it where the step is a traced value (inside the jitted training step,
+        around the model's call): a Python number would be a constant of the compiled program.
+
+    !!! example
+
+        ```python
+        with eqx_logs.scope("encoder"):
+            eqx_logs.log("norm", x)  # logged as "encoder/norm"
+
+        with eqx_logs.scope(step=i):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(instrumented_model, x)
+        ```
+
+    The prefix is applied when `log` is called (when the function is traced), so it is the
+    same on every retrace: no counters are involved.
+    """
+    site = _call_site()
+    if name is not None and (not isinstance(name, str) or not name or name.strip("/") != name):
+        raise ValueError(
+            f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/' "
+            f"(or None), got {name!r}."
+        )
+    checked = {n: _check_step(n, v, site) for n, v in steps.items()}
+    if checked and not _compat.tracing():
+        raise ValueError(
+            f"eqx_logs.scope({', '.join(f'{n}=...' for n in steps)}) at {site} is entered "
+            "outside any jit or trace: its steps would be constants of the programs compiled "
+            "inside it, one program per value. Enter it inside the jitted function, with the "
+            "step as a traced argument (or log `step=` at each `log` call)."
+        )
+    prefixes, context = _scopes(), _context_steps()
+    if name is not None:
+        prefixes.append(name)
+    # in trace-cache keys: a traced value by identity (a jit traced inside this block is traced
+    # again inside the next, so it never holds an old trace's value), a number by value
+    key = tuple((n, _Traced() if _compat.is_tracer(v) else int(v)) for n, v in checked.items())
+    context.append((checked, key))
+    try:
+        with tracing_context():
+            yield
+    finally:
+        context.pop()
+        if name is not None:
+            prefixes.pop()
+
+
+def _context_steps() -> list[tuple[dict[str, Any], tuple]]:
+    if not hasattr(_local, "steps"):
+        _local.steps = []
+    return _local.steps
+
+
+def current_steps() -> dict[str, Any]:
+    """The steps of the enclosing `scope` blocks (inner ones win)."""
+    merged: dict[str, Any] = {}
+    for steps, _ in _context_steps():
+        merged.update(steps)
+    return merged
+
+
+class _Traced:
+    """A traced step's place in a trace-cache key: equal only to itself."""
+
+    __slots__ = ()
+
+
+def _context_key() -> tuple:
+    return tuple(key for _, key in _context_steps() if key)
+
+
+def current_prefix() -> str:
+    return "/".join(_scopes())
+
+
+@contextlib.contextmanager
+def logging_as(
+    prefix: str, rule: str | None = None, *, enabled: bool | None = True
+) -> Iterator[None]:
+    """Logging on (or as it is, for `enabled=None`), under the scope `prefix` (a function JAX
+    traces later, such as a custom derivative rule, logs as where it was written). `rule`
+    names the custom rule whose events pass on: they are lost, with a `LostEventsWarning`,
+    if no spool or tap captures them."""
+    scopes, old_rule = _scopes(), getattr(_local, "rule", None)
+    saved = list(scopes)
+    scopes[:] = prefix.split("/") if prefix else []
+    _local.rule = rule
+    try:
+        with _no_context_steps(), tracing_context(enabled=enabled):
+            yield
+    finally:
+        scopes[:] = saved
+        _local.rule = old_rule
+
+
+@contextlib.contextmanager
+def tracing_context(enabled: bool | None = None) -> Iterator[None]:
+    """Sets the JAX config states that `log` depends on at trace time (logging on or off, and
+    the scope prefix while on), so that JAX's trace caches tell the cases apart."""
+    with contextlib.ExitStack() as stack:
+        if enabled is not None:
+            stack.enter_context(_compat.logging_enabled(enabled))
+        if _compat.logging_enabled.value:
+            context = _context_key()
+            prefix = (current_prefix(), context) if context else current_prefix()
+            stack.enter_context(_compat.scope_prefix(prefix))
+        yield
+
+
+_contextlib_file = contextlib.__file__
+
+
+def _call_site() -> str:
+    """The user's file:line (function) that called into eqx_logs (a `with` statement, for
+    `scope`)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename == _contextlib_file
+        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+@contextlib.contextmanager
+def _no_context_steps() -> Iterator[None]:
+    """Without the steps of the `scope` blocks around: in a function JAX traces apart (a
+    custom derivative rule), whose events carry what was captured where it was called."""
+    saved = list(_context_steps())
+    _context_steps().clear()
+    try:
+        yield
+    finally:
+        _context_steps()[:] = saved

@@ -1,0 +1,90 @@
+"""Logs on their way from the device to a logger's writer thread: a jitted step's logs
+packed into a few buffers (`_Packing`, for `logger.jit`), the size of a write, and the fetch
+of the writes queued in a row (`_fetch`, on the writer thread)."""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+
+from .._logdict import LogDict
+from .._retrace import fun_key, note_compile
+from ._host import to_host
+from ._packed import Packed, pack, unpack
+from ._state import LoggerState
+
+
+@functools.cache
+def _one_process() -> bool:
+    # (asked once arrays exist, so after any `jax.distributed.initialize`)
+    return jax.process_count() == 1
+
+
+def _nbytes(logs: LogDict) -> int:
+    """Roughly the bytes `logs` holds: its values' (counts and steps are a few more)."""
+    leaves = map(_leaves, logs.values())
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for xs in leaves for x in xs)
+
+
+def _leaves(value: Any) -> list[Any]:
+    return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
+
+
+def _fetch(
+    items: list[tuple[LoggerState, LogDict | Packed, tuple[str, ...]]],
+) -> list[tuple[np.ndarray, LogDict | None]]:
+    """On the writer thread, before the backend's turn: wait for the device, then fetch the
+    run indices and counts (or small leaves, packed) of every write queued in a row (one
+    transfer), and the keys that hold events of those that have any (another). `(runs, None)`
+    for a write without events. `drop`: keys not to write (a backend cannot store them)."""
+    heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
+    more = {  # packed writes whose counts hold an event: all of their small leaves now
+        i: list(logs.buffers)
+        for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
+        if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
+    }
+    for i, buffers in to_host(more).items():
+        heads[i] = (heads[i][0], buffers)
+    keep = {}
+    for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
+        if isinstance(logs, Packed) and not isinstance(head, list):
+            continue  # (the counts alone, none of them an event)
+        if isinstance(logs, Packed):
+            logs = unpack(logs, head)
+            logs = logs._without(drop) if drop else logs
+            head = logs.count  # (numpy arrays)
+        count = head
+        empty = [key for key in logs if not count[key].any()]  # (numpy arrays)
+        if len(empty) < len(logs) or logs._nonfinite is not None:
+            keep[i] = logs._without(empty) if empty else logs
+    fetched = to_host(keep)
+    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(heads)]
+
+
+def _any_event(logs: Packed, counts: np.ndarray) -> bool:
+    """Whether the buffer of a packed write's counts (`_head`) counts an event."""
+    return bool(counts[list(logs.layout.counts[1])].any())
+
+
+def _head(logs: LogDict | Packed) -> Any:
+    """What `_fetch` reads of every write first: the counts; for a packed write, the buffer
+    that holds them (or every buffer)."""
+    if not isinstance(logs, Packed):
+        return logs.count
+    if logs.layout.counts is not None:
+        return logs.buffers[logs.layout.counts[0]]
+    return list(logs.buffers)
+
+
+class _Packing(eqx.Module):
+    spooled: Callable
+
+    def __call__(self, *args, **kwargs):  # traced by `eqx.filter_jit`
+        fun = self.spooled.__wrapped__
+        note_compile("logger.jit", fun_key(fun), fun, args, kwargs)
+        out, logs = self.spooled(*args, **kwargs)
+        return out, pack(logs)
