@@ -36,6 +36,8 @@ class Blocks:
     def __init__(self, size: int, sink: Callable, context: Any, every_process: bool):
         self.size, self.sink, self.context = size, sink, context
         self.every_process = every_process
+        # in a scan `_tap_peel.blocked_scan` splits: each group's row of this iteration
+        self.streaming: dict[str, Any] | None = None
 
     def setup(self, info: dict[str, Any], groups: dict[str, str], prefix: str) -> dict:
         """The first block of each group (`groups`: key -> group), from the keys' `info`."""
@@ -85,70 +87,93 @@ class Blocks:
         fill = block["fill"]
         return {**block, "fill": jnp.int32(fill) if isinstance(fill, int) else fill}
 
-    def add(self, states, group, wanted, items, steps, mask, guard, tokens) -> None:
-        """Write one event of `group` (its keys' values `items`, maybe `Lazy`; `steps`; the
-        lanes `mask` where it happened, or None) where `wanted` (the interval keeps it), and
-        send the block if that fills it; `guard` (or None): whether the host takes it (the
-        conditions of the cond branches around it, under a vmap outside the tap)."""
-        if wanted is False:
-            return
-        name = group + BLOCK
-        block = states[name]
+    def row(self, group, items, steps, mask, memo=None) -> dict[str, Any]:
+        """One event of `group` as a row of its block: its keys' values (`items`, maybe
+        `Lazy`: forced with `memo`), its steps, and for batched events the lanes where it
+        happened (`mask`, or None: all)."""
         values_struct, steps_struct, batch = self._structs(group)
-
-        def write(block, memo=None):
-            fill = block["fill"]
-            row = {
+        row = {
+            "values": {
                 k: jtu.tree_map(
                     lambda x, s: _fit(stop_gradient(force([x], memo)[0]), s),
                     items[k],
                     values_struct[k],
                 )
                 for k in values_struct
-            }
-            out = {
-                **block,
-                "values": jtu.tree_map(lambda b, x: _put(b, x, fill), block["values"], row),
-                "steps": {
-                    n: _put(b, _step(steps, n, s), fill)
-                    for (n, b), s in zip(block["steps"].items(), steps_struct.values())
-                },
-            }
-            if batch:
-                lanes = True if mask is None else _lanes.fit(mask, batch)
-                out["valid"] = _put(block["valid"], jnp.broadcast_to(lanes, batch), fill)
-            return out
+            },
+            "steps": {n: _step(steps, n, s) for n, s in steps_struct.items()},
+        }
+        if batch:
+            lanes = True if mask is None else _lanes.fit(mask, batch)
+            row["valid"] = jnp.broadcast_to(lanes, batch)
+        return row
+
+    @staticmethod
+    def put(block: dict[str, Any], rows: dict[str, Any], at: Any, one: bool = True) -> dict:
+        """`block` with `rows` (one row, or a leading axis of rows if not `one`) written from
+        row `at` on."""
+
+        def put(buffer, x):
+            x = jnp.asarray(x, buffer.dtype)
+            if one:
+                return lax.dynamic_update_index_in_dim(buffer, x, at, 0)
+            return lax.dynamic_update_slice_in_dim(buffer, x, at, 0)
+
+        out = {**block, "values": jtu.tree_map(put, block["values"], rows["values"])}
+        out["steps"] = {n: put(b, rows["steps"][n]) for n, b in block["steps"].items()}
+        if "valid" in block:
+            out["valid"] = put(block["valid"], rows["valid"])
+        return out
+
+    def add(self, states, group, wanted, items, steps, mask, guard, tokens) -> None:
+        """Write one event of `group` (its keys' values `items`, maybe `Lazy`; `steps`; the
+        lanes `mask` where it happened, or None) where `wanted` (the interval keeps it), and
+        send the block if that fills it; `guard` (or None): whether the host takes it (the
+        conditions of the cond branches around it, under a vmap outside the tap). In a scan
+        that `_tap_peel.blocked_scan` splits, the row is only recorded (`streaming`)."""
+        if wanted is False:
+            return
+        if self.streaming is not None:
+            self.streaming[group] = self.row(group, items, steps, mask)
+            return
+        name = group + BLOCK
+        block = states[name]
+
+        def write(block, memo=None):
+            return self.put(block, self.row(group, items, steps, mask, memo), block["fill"])
 
         lazy = any(isinstance(x, Lazy) for x in jtu.tree_leaves(items))
         if isinstance(wanted, bool) or not lazy:
             block = write(block)  # a row not kept is overwritten by the next event
         else:  # computed only if kept
             block = lax.cond(wanted, lambda b: write(b, {}), lambda b: b, self.threadable(block))
-        fill = block["fill"] + (wanted if isinstance(wanted, bool) else wanted.astype(jnp.int32))
+        fill = block["fill"] + (
+            int(wanted) if isinstance(wanted, bool) else wanted.astype(jnp.int32)
+        )
         if isinstance(fill, int):
             if fill == self.size:
-                self._send(group, block, self.size, guard, tokens)
+                self.send(group, block, self.size, guard, tokens)
                 fill = 0
         else:
             full = fill == self.size
             n = jnp.where(full, self.size, 0)  # (0: the host ignores a call vmap made anyway)
-            lax.cond(full, lambda: self._send(group, block, n, guard, tokens), lambda: None)
+            lax.cond(full, lambda: self.send(group, block, n, guard, tokens), lambda: None)
             fill = jnp.where(full, 0, fill)
         states[name] = {**block, "fill": fill}
 
-    def finish(self, states: dict[str, Any]) -> None:
+    def finish(self, states: dict[str, Any], tokens: list[Any]) -> None:
         """Send each group's partial block, at the end of the call."""
         for group in self.keys:
             block = states[group + BLOCK]
             fill = block["fill"]
             if isinstance(fill, int):
                 if fill:
-                    self._send(group, block, fill, None, [])
+                    self.send(group, block, fill, None, tokens)
             else:
-                send = functools.partial(self._send, group, block, fill, None, [])
+                send = functools.partial(self.send, group, block, fill, None, tokens)
                 lax.cond(fill > 0, send, lambda: None)
 
-    def _send(self, group, block, n, guard, tokens) -> None:
+    def send(self, group, block, n, guard, tokens) -> None:
         """Call the sink on the host with the first `n` rows of `block`."""
         prefix, sink = self.prefix, self.sink
         meta = [n, True if guard is None else guard, *tokens]
@@ -166,7 +191,7 @@ class Blocks:
                 steps["valid"] = valid
 
                 def hide(v):
-                    if not np.issubdtype(v.dtype, np.inexact):
+                    if not jnp.issubdtype(v.dtype, jnp.inexact):  # (bfloat16 too)
                         return v
                     m = valid.reshape(valid.shape + (1,) * (v.ndim - valid.ndim))
                     return np.where(m, v, np.nan)
@@ -187,7 +212,3 @@ def _step(steps: dict[str, Any], name: str, s: jax.ShapeDtypeStruct) -> Any:
     if name not in steps:
         return jnp.full(s.shape, -1, s.dtype)
     return jnp.broadcast_to(jnp.asarray(steps[name], s.dtype), s.shape)
-
-
-def _put(buffer: Any, x: Any, index: Any) -> Any:
-    return lax.dynamic_update_index_in_dim(buffer, jnp.asarray(x, buffer.dtype), index, 0)

@@ -18,7 +18,7 @@ from ._interpret import INTERVAL_STEP, Handler
 from ._primitive import rebind
 from ._rules import RULES, inline_copy_apply
 from ._tap_blocks import BLOCK, Blocks
-from ._tap_peel import peeled_scan
+from ._tap_peel import blocked_scan, peeled_scan
 
 
 def _numeric(x: Any) -> bool:
@@ -178,7 +178,7 @@ class Tap(Handler):
             states |= self.blocks.setup(plan.info, kept_groups, interp.policy.prefix)
         outs, states = interp.eval(closed, args, states)
         if self.blocks is not None:
-            self.blocks.finish(states)
+            self.blocks.finish(states, [self._lanes])
         return outs
 
     def keys(self, closed: Any) -> tuple[str, ...]:
@@ -198,6 +198,8 @@ class Tap(Handler):
         def apply(interp, eqn, invals, states):
             if rule.scan:
                 peeled = self._peeled_scan(eqn, invals, states)
+                if peeled is None and self.blocks is not None:
+                    peeled = blocked_scan(self, eqn, invals, states)
                 if peeled is not None:
                     return peeled
             return rule.apply(interp, eqn, invals, self.threadable(states))
@@ -271,7 +273,7 @@ class Tap(Handler):
             guard = functools.reduce(jnp.logical_and, self._guards) if self._guards else None
             for g, w in wanted.items():
                 mine = {k: items[k] for k in keys if self._group[k] == g}
-                self.blocks.add(states, g, w, mine, steps, mask, guard, tokens)
+                self.blocks.add(states, g, w, mine, steps, mask, guard, [*tokens, self._lanes])
             return
         values = {k: items[k] for k in keys}
         group_of = {k: self._group[k] for k in keys}
@@ -288,7 +290,7 @@ class Tap(Handler):
                 steps = {**steps, "valid": mask}
 
                 def hide(v):
-                    if not np.issubdtype(v.dtype, np.inexact):
+                    if not jnp.issubdtype(v.dtype, jnp.inexact):  # (bfloat16 too)
                         return v
                     m = mask.reshape(mask.shape + (1,) * (v.ndim - mask.ndim))
                     return np.where(m, v, np.nan)

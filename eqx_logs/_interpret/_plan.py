@@ -209,11 +209,13 @@ class Plan:
         return total
 
     def recount(self, closed: Any) -> Counts:
-        """`count` again from scratch, once every key's record is complete: a key that turned
-        to lanes as events (`KeyInfo.to_lanes_as_events`) counts its earlier sites again."""
+        """`count` of the whole program: again from scratch where a key turned to lanes as events
+        (`KeyInfo.to_lanes_as_events`) after some of its sites were counted."""
+        counts = self.count(closed)
         if any(info.lanes_as_events for info in self.info.values()):
-            self._counts.clear()
-        return self.count(closed)
+            self._counts.clear()  # sites counted before a key turned to lanes as events
+            counts = self.count(closed)
+        return counts
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
         manual = self.manual
