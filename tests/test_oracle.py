@@ -1733,7 +1733,7 @@ def _sown_in_shard_map(x):
     strict=True,
     raises=ValueError,
     reason="eqx_logs bug: plant's one-row-per-event form inside a shard_map broadcasts the "
-    "per-device event count (shape (1,)) to the lane shape () in `_PlantInterpreter._row`; "
+    "per-device event count (shape (1,)) to the lane shape () in `_plant._Plant._row`; "
     "once fixed, remove this marker and let `plant_cases` plant rows inside ShardMaps",
 )
 def test_plant_rows_inside_a_shard_map():

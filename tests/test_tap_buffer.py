@@ -773,3 +773,51 @@ def test_key_logged_as_lanes_raises_naming_it():
     assert ref
     with pytest.raises(ValueError, match=r"'lane_key'.*buffer"):
         run_tap(f, jnp.arange(5.0), buffer=2)
+
+
+# -- logger.tap(buffer=k): blocks reach the writer, each event a row of its own -----------------
+
+
+def _logger_rows(tmp_path, buffer):
+    import json
+
+    from eqx_logs.loggers import JsonlLogger
+
+    def f(xs):
+        def step(c, x):
+            el.log({"loss": x * x, "p": {"a": x, "b": -x}}, step=c)
+            return c + 1, None
+
+        el.log("total", xs.sum())
+        return lax.scan(step, 0, xs)[0]
+
+    path = tmp_path / f"run{buffer}.jsonl"
+    with JsonlLogger(path) as logger:
+        jax.jit(logger.tap(f, logger.init(), buffer=buffer))(jnp.arange(8.0))
+        jax.effects_barrier()
+    with open(path) as file:
+        return [json.loads(line) for line in file]
+
+
+@fast
+@pytest.mark.parametrize("buffer", [1, 3, 100])
+def test_logger_tap_buffer_writes_every_event_in_order(tmp_path, buffer):
+    """The JSONL file of `logger.tap(f, state, buffer=k)` holds, key by key, the rows the
+    unbuffered `logger.tap` writes (read back with `json`): values, pytree values, steps."""
+    reference = _logger_rows(tmp_path, None)
+    rows = _logger_rows(tmp_path, buffer)
+    loss = [r for r in reference if r["key"] == "loss"]
+    assert [r["value"] for r in loss] == (np.arange(8.0) ** 2).tolist()
+    assert [r["step"] for r in loss] == list(range(8))
+    keys = {r["key"] for r in reference}
+    assert {r["key"] for r in rows} == keys and len(keys) >= 3
+    for key in keys:
+        assert [r for r in rows if r["key"] == key] == [r for r in reference if r["key"] == key]
+
+
+def test_logger_tap_buffer_rejects_a_bad_size(tmp_path):
+    from eqx_logs.loggers import JsonlLogger
+
+    with JsonlLogger(tmp_path / "x.jsonl") as logger:
+        with pytest.raises(ValueError, match="buffer=0"):
+            logger.tap(lambda x: x, logger.init(), buffer=0)

@@ -57,7 +57,7 @@ from test_oracle import (
 )
 
 import eqx_logs
-from eqx_logs._tapping import Tap as _TapInterpreter
+from eqx_logs._tapping import Tap
 
 _TIE = 1e-3  # as in test_oracle: a comparison this close to its threshold may flip
 
@@ -507,8 +507,8 @@ def batched_cases(draw, batch: int = LANES):
 
 @contextlib.contextmanager
 def counting_split_scans():
-    """Counts the scans tap splits at trace time (`_TapInterpreter._peeled_scan` answering)."""
-    original = _TapInterpreter._peeled_scan
+    """Counts the scans tap splits at trace time (`Tap._peeled_scan` answering)."""
+    original = Tap._peeled_scan
     hits: list[bool] = []
 
     def spy(self, *args, **kwargs):
@@ -516,11 +516,11 @@ def counting_split_scans():
         hits.append(out is not None)
         return out
 
-    _TapInterpreter._peeled_scan = spy
+    Tap._peeled_scan = spy
     try:
         yield hits
     finally:
-        _TapInterpreter._peeled_scan = original
+        Tap._peeled_scan = original
 
 
 def _transform(f, variant: str, interval: int, rec: Recorder, **options):

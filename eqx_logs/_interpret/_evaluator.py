@@ -1,7 +1,7 @@
 """The evaluator: the equation loop that every handler shares.
 
 `Interpreter.eval` evaluates a jaxpr in the current trace, equation by equation: a log goes to
-the handler, a higher-order primitive that contains logs to its rule (`_rules.py`), which
+the handler, a higher-order primitive that contains logs to its rule (`eqx_logs/_rules/`), which
 rebuilds it through JAX's public constructors with the handler's states threaded through;
 everything else is bound as it is. Operands computed only for logs are evaluated lazily, where
 an event needs them (`_deferred.py`). Nothing JAX created is mutated.

@@ -19,7 +19,7 @@ from .._stats import per_lane
 class Handler:
     name = "eqx_logs.spool"  # in errors
     # Whether custom_jvp/custom_vjp calls whose primal does not log go through their rule too:
-    # their derivative rules, traced later by JAX, may log (see `_rules._rules_only`).
+    # their derivative rules, traced later by JAX, may log (`_rules/_custom.py`: `_rules_only`).
     wraps_custom_rules = True
     # Whether rules must say under which condition they evaluate a sub-jaxpr (`guard`) even
     # where no lane value is known. Spool does not need it: a `vmap` outside it selects the

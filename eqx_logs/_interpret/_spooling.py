@@ -77,7 +77,7 @@ class Spool(Handler):
         if lane is not None:
             mask = jnp.logical_and(mask, lane)
         # Keys without a state here are dropped by a Policy rule, or logged by a custom
-        # derivative rule but not by its primal (`_rules.py`): those pass on, and warn if no
+        # derivative rule but not by its primal (`_rules/_custom.py`): those pass on, and warn if no
         # enclosing spool or tap captures them.
         passed = [k for k in items if k not in states and not interp.plan.dropped(k)]
         if passed:

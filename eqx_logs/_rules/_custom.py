@@ -58,7 +58,7 @@ class _Threaded:
 
     def _check(self, closed):
         """The states were made for the primal's events: a rule may log a key at most as
-        often as the primal (keys the primal does not log pass on, see `Interpreter._event`)."""
+        often as the primal (keys the primal does not log pass on, see `Spool.event`)."""
         interp = self.interp
         primal = interp.count(self.closed)
         for key, n in interp.count(closed).items():

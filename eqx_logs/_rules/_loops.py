@@ -24,7 +24,7 @@ def _scan_apply(interp, eqn, invals, states):
     body, num_consts, num_carry = _compat.scan_parts(eqn)
     consts, init, xs = _split(invals, num_consts, num_carry)
     options = _compat.scan_options(eqn)
-    # keys whose events leave as `ys` (`Interpreter.streamed`), the others ride in the carry
+    # keys whose events leave as `ys` (`Handler.streamed`), the others ride in the carry
     init_lanes = interp.lanes.of_each(init)
     streamed = {} if init_lanes else interp.handler.streamed(body, options["length"])
     carried = [k for k in interp.keys(body) if k not in streamed]

@@ -13,7 +13,7 @@ from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
 from .._spool import build, build_wrapper, spool as _spool
-from .._tap import check_tap_options, tap_with
+from .._tap import check_buffer, check_tap_options, tap_with
 from . import _plumbing
 from ._host import Record
 from ._packed import Packed, unpack
@@ -199,14 +199,19 @@ class AbstractLogger(eqx.Module):
         tags: Any = None,
         exclude: Any = None,
         prefix: str | None = None,
+        buffer: int | None = None,
         **spool_only: Any,
     ) -> Callable[..., _T]:
         """`fun`, tapped as by [`eqx_logs.tap`][]: each event is written to `state`'s run as it
-        happens (`interval=k` writes every k-th event of each key, gated on the device)."""
+        happens (`interval=k` writes every k-th event of each key, gated on the device).
+        `buffer=k`: the events reach the writer in blocks of k, one host callback per block
+        (see `eqx_logs.tap`), each event still written as a row of its own."""
         check_tap_options("logger.tap", spool_only)
+        check_buffer("logger.tap", buffer)
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
-        tapped = tap_with(fun, policy, self._tap_host, state, self.every_process)
+        sink = self._tap_host if buffer is None else self._tap_block_host
+        tapped = tap_with(fun, policy, sink, state, self.every_process, buffer=buffer)
         return build_wrapper(_LoggerTapped, self, tapped)
 
     def jit(
@@ -325,6 +330,7 @@ class AbstractLogger(eqx.Module):
 
     _spool_host = _plumbing._spool_host
     _tap_host = _plumbing._tap_host
+    _tap_block_host = _plumbing._tap_block_host
     _unstorable = _plumbing._unstorable
     _started = _plumbing._started
     _submit_logs = _plumbing._submit_logs

@@ -40,6 +40,24 @@ def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, A
     cls._check(self)
 
 
+def _tap_block_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
+    """`_tap_host` for a block of events (`logger.tap(..., buffer=k)`): every value and step
+    has a leading axis of events; the block is submitted as one write, event by event."""
+    n = len(jax.tree.leaves(logs)[0])
+    rows = [
+        {
+            "key": key,
+            "value": jax.tree.map(lambda x, i=i: x[i], value),
+            **{name: x[i] for name, x in steps.items()},
+        }
+        for i in range(n)
+        for key, value in logs.items()
+    ]
+    cls = type(self)
+    cls._submit(self, int(state.run), rows)
+    cls._check(self)
+
+
 def _unstorable(self, leaf: np.ndarray) -> str | None:
     """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
     None. Checked before writing: a key it rejects is named, and the others are written."""
