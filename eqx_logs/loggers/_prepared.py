@@ -1,0 +1,63 @@
+"""Writes whose items are first made ready on the writer thread (`Writer.submit(..., ready=)`:
+their arrays fetched from the device), the items queued in a row made ready together."""
+
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A write whose item is first made ready (`Writer.submit(..., ready=)`)."""
+
+    write: Callable[[Any], None]
+    ready: Callable[[list[Any]], list[Any]]
+
+
+UNSET = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failed:
+    error: BaseException
+
+
+@dataclasses.dataclass
+class Slot:
+    """The item of a `Prepared` write, and (once made) what `ready` made of it."""
+
+    item: Any
+    value: Any = UNSET
+
+    def get(self) -> Any:
+        if isinstance(self.value, _Failed):
+            raise self.value.error
+        return self.value
+
+
+def unready(write: Any, item: Any) -> bool:
+    """Whether a queued write has an item still to make ready."""
+    return isinstance(write, Prepared) and item.value is UNSET
+
+
+def batch(write: Any, item: Any, queued: Iterable[tuple[Any, ...]]) -> list[Slot]:
+    """The slots to make ready with `write` (just taken from the queue): its own, with those
+    queued behind it that the same `ready` makes; none if it has none to make ready."""
+    if not unready(write, item):
+        return []
+    slots = [item]
+    for w, slot, *_ in queued:
+        if w != write or slot.value is not UNSET:
+            break
+        slots.append(slot)
+    return slots
+
+
+def fill(ready: Callable[[list[Any]], list[Any]], slots: list[Slot]) -> None:
+    """Fill `slots` with `ready` of their items. An error is the first slot's (raised by its
+    write; the others are tried again)."""
+    try:
+        for slot, value in zip(slots, ready([slot.item for slot in slots]), strict=True):
+            slot.item, slot.value = None, value  # (the device's buffers are let go)
+    except BaseException as e:  # noqa: BLE001 (raised by the first slot's write)
+        slots[0].value = _Failed(e)
