@@ -137,7 +137,7 @@ class Interpreter:
         states = dict(states)
         env: dict[Any, Any] = {}
         producers, deferred = self._log_only(jaxpr)
-        handler, plan = self.handler, self.plan
+        handler, plan, lanes = self.handler, self.plan, self.lanes
 
         def read(v):
             if isinstance(v, _compat.Literal):
@@ -164,7 +164,8 @@ class Interpreter:
                 outs, states = self.rule(eqn).apply(self, eqn, invals, states)
             else:
                 outs = self.bind_eqn(eqn, invals)
-            self.lanes.follow(eqn, invals, outs)
+            if lanes.values or _lanes.is_lane_primitive(eqn):
+                lanes.follow(eqn, invals, outs)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x

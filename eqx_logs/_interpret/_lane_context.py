@@ -102,9 +102,8 @@ class LaneContext:
         }
 
     def follow(self, eqn: _compat.JaxprEqn, invals: list[Any], outs: list[Any]) -> None:
-        """Record the lane values of `eqn`'s outputs, if any (see `_lanes.py`)."""
-        if not self.values and not _lanes.is_lane_primitive(eqn):
-            return
+        """Record the lane values of `eqn`'s outputs, if any (see `_lanes.py`); called where
+        values have lane values or `eqn` makes one."""
         inlanes = [self.of(x) for x in invals]
         if _lanes.is_lane_primitive(eqn):
             lanes = [
