@@ -821,3 +821,49 @@ def test_logger_tap_buffer_rejects_a_bad_size(tmp_path):
     with JsonlLogger(tmp_path / "x.jsonl") as logger:
         with pytest.raises(ValueError, match="buffer=0"):
             logger.tap(lambda x: x, logger.init(), buffer=0)
+
+
+# -- the scan split into blocks agrees with the carried block ------------------------------------
+
+
+@fast
+@pytest.mark.parametrize("k", [1, 3, 4, 7, 12, 50])
+@pytest.mark.parametrize("start", [0, 2])
+def test_blocked_scan_equals_the_carried_block(monkeypatch, k, start):
+    """A scan logging each group once per iteration is split into blocks (`_tap_peel.
+    blocked_scan`: counted here, so the test fails if it stops applying); with the split
+    turned off, every event is written into the block carried through the scan. Both must
+    deliver the same blocks, in the same order, entered with `start` events already in the
+    block (logs before the scan), and the scan's own outputs must not change."""
+    from eqx_logs import _tapping
+
+    def f(xs):
+        for i in range(start):
+            el.log({"x": xs[i], "p": {"a": xs[i] * 2}}, step=i)
+
+        def step(c, x):
+            el.log({"x": x * c.astype(x.dtype), "p": {"a": x + 1.0}}, step=c)
+            return c + 1, x * 2
+
+        return lax.scan(step, jnp.int32(start), xs)
+
+    xs = jnp.arange(12.0)
+    taken = []
+    original = _tapping.blocked_scan
+
+    def counted(*args):
+        out = original(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_tapping, "blocked_scan", counted)
+    split_out, split = run_tap(f, xs, wrap=jax.jit, buffer=k)
+    assert taken == [True]
+    monkeypatch.setattr(_tapping, "blocked_scan", lambda *args: None)
+    carried_out, carried = run_tap(f, xs, wrap=jax.jit, buffer=k)
+    jax.tree.map(np.testing.assert_array_equal, split_out, carried_out)
+    assert sizes(split) == sizes(carried)
+    for (a, sa), (b, sb) in zip(split, carried):
+        jax.tree.map(np.testing.assert_array_equal, (a, sa), (b, sb))
+    n = start + 12
+    assert sum(sizes(split)) == n and all(s == k for s in sizes(split)[: n // k])
