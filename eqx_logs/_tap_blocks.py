@@ -22,7 +22,7 @@ from jax import lax
 from . import _compat, _lanes
 from ._buffers import _cast
 from ._deferred import Lazy, force, stop_gradient
-from ._interpret import site_list
+from ._interpret import site_list, widened
 
 BLOCK = "\x00block"  # a group's block state: `states[group + BLOCK]`
 
@@ -58,20 +58,19 @@ class Blocks:
                     "events cannot share one block. Tap it without `buffer`."
                 )
             self.keys.setdefault(group, []).append(key)
-        self.info = info
+        # each group's rows: each key's value, each step; and the batch shape of its events
+        self._structs = {
+            group: (
+                {k: jtu.tree_unflatten(info[k].treedef, info[k].leaves) for k in keys},
+                info[keys[0]].steps,
+                info[keys[0]].batch_shape(),
+            )
+            for group, keys in self.keys.items()
+        }
         return {g + BLOCK: self._empty(g) for g in self.keys}
 
-    def _structs(self, group: str) -> tuple[Any, Any, tuple[int, ...]]:
-        """A group's rows: each key's value, each step; and the batch shape of its events."""
-        first = self.info[self.keys[group][0]]
-        values = {
-            k: jtu.tree_unflatten(self.info[k].treedef, self.info[k].leaves)
-            for k in self.keys[group]
-        }
-        return values, first.steps, first.batch_shape()
-
     def _empty(self, group: str) -> dict[str, Any]:
-        values, steps, batch = self._structs(group)
+        values, steps, batch = self._structs[group]
         n = self.size
         block = {
             "fill": 0,
@@ -91,16 +90,13 @@ class Blocks:
         """One event of `group` as a row of its block: its keys' values (`items`, maybe
         `Lazy`: forced with `memo`), its steps, and for batched events the lanes where it
         happened (`mask`, or None: all)."""
-        values_struct, steps_struct, batch = self._structs(group)
+        values_struct, steps_struct, batch = self._structs[group]
+
+        def leaf(x, s):  # as its key's: cast, and broadcast along vmap axes it lacks
+            return widened(_cast(stop_gradient(force([x], memo)[0]), s.dtype), s.shape)
+
         row = {
-            "values": {
-                k: jtu.tree_map(
-                    lambda x, s: _fit(stop_gradient(force([x], memo)[0]), s),
-                    items[k],
-                    values_struct[k],
-                )
-                for k in values_struct
-            },
+            "values": {k: jtu.tree_map(leaf, items[k], values_struct[k]) for k in values_struct},
             "steps": {n: _step(steps, n, s) for n, s in steps_struct.items()},
         }
         if batch:
@@ -186,29 +182,28 @@ class Blocks:
                 return
             values = jtu.tree_map(lambda x: np.asarray(x)[:n], rows["values"])
             steps = {name: np.asarray(x)[:n] for name, x in rows["steps"].items()}
-            if rows["valid"] is not None:  # lanes where the event did not happen: NaN
-                valid = np.asarray(rows["valid"])[:n]
-                steps["valid"] = valid
-
-                def hide(v):
-                    if not jnp.issubdtype(v.dtype, jnp.inexact):  # (bfloat16 too)
-                        return v
-                    m = valid.reshape(valid.shape + (1,) * (v.ndim - valid.ndim))
-                    return np.where(m, v, np.nan)
-
-                values = jtu.tree_map(hide, values)
+            if rows["valid"] is not None:
+                steps["valid"] = valid = np.asarray(rows["valid"])[:n]
+                values = hide_lanes(values, valid)
             sink(context, {prefix + k: v for k, v in values.items()}, steps)
 
         _compat.host_callback(host, self.context, rows, meta, every_process=self.every_process)
 
 
-def _fit(x: Any, s: jax.ShapeDtypeStruct) -> Any:
-    """An event's leaf as its key's (cast, and broadcast along vmap axes it lacks)."""
-    x = _cast(x, s.dtype)
-    return x if jnp.shape(x) == s.shape else jnp.broadcast_to(x, s.shape)
+def hide_lanes(values: Any, valid: np.ndarray) -> Any:
+    """On the host: `values` (numpy, leading axes those of `valid`) with NaN in their inexact
+    leaves (bfloat16 too) where `valid`, the lanes where the event happened, is false."""
+
+    def hide(v):
+        if not jnp.issubdtype(v.dtype, jnp.inexact):
+            return v
+        return np.where(valid.reshape(valid.shape + (1,) * (v.ndim - valid.ndim)), v, np.nan)
+
+    return jtu.tree_map(hide, values)
 
 
 def _step(steps: dict[str, Any], name: str, s: jax.ShapeDtypeStruct) -> Any:
+    """A step of an event as its key's (-1 where the event has none), as `Store.event_of`."""
     if name not in steps:
         return jnp.full(s.shape, -1, s.dtype)
-    return jnp.broadcast_to(jnp.asarray(steps[name], s.dtype), s.shape)
+    return widened(jnp.asarray(steps[name], s.dtype), s.shape)

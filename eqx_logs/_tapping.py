@@ -17,7 +17,7 @@ from ._deferred import force
 from ._interpret import INTERVAL_STEP, Handler
 from ._primitive import rebind
 from ._rules import RULES, inline_copy_apply
-from ._tap_blocks import BLOCK, Blocks
+from ._tap_blocks import BLOCK, Blocks, hide_lanes
 from ._tap_peel import blocked_scan, peeled_scan
 
 
@@ -288,14 +288,7 @@ class Tap(Handler):
             if mask is not None:  # lanes where the event did not happen: NaN (inexact values)
                 mask = np.asarray(mask)
                 steps = {**steps, "valid": mask}
-
-                def hide(v):
-                    if not jnp.issubdtype(v.dtype, jnp.inexact):  # (bfloat16 too)
-                        return v
-                    m = mask.reshape(mask.shape + (1,) * (v.ndim - mask.ndim))
-                    return np.where(m, v, np.nan)
-
-                values = jax.tree.map(hide, values)
+                values = hide_lanes(values, mask)
             logs = {prefix + k: v for k, v in values.items() if flags[group_of[k]]}
             if logs:
                 sink(context, logs, steps)

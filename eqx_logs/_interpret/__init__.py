@@ -13,4 +13,4 @@ from ._plan import (
 )
 from ._spooling import Spool as Spool
 from ._store import INTERVAL_STEP as INTERVAL_STEP, memory_limit as memory_limit
-from ._values import known as known, vmap_n as vmap_n
+from ._values import known as known, vmap_n as vmap_n, widened as widened

@@ -34,25 +34,26 @@ def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
 
 
 def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
-    rows = [{"key": key, "value": value, **steps} for key, value in logs.items()]
-    cls = type(self)
-    cls._submit(self, int(state.run), rows)
-    cls._check(self)
+    _submit_rows(self, state, _event_rows(logs, steps))
 
 
 def _tap_block_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
     """`_tap_host` for a block of events (`logger.tap(..., buffer=k)`): every value and step
     has a leading axis of events; the block is submitted as one write, event by event."""
     n = len(jax.tree.leaves(logs)[0])
-    rows = [
-        {
-            "key": key,
-            "value": jax.tree.map(lambda x, i=i: x[i], value),
-            **{name: x[i] for name, x in steps.items()},
-        }
-        for i in range(n)
-        for key, value in logs.items()
-    ]
+    rows = []
+    for i in range(n):
+        at_i = jax.tree.map(lambda x, i=i: x[i], (logs, steps))
+        rows += _event_rows(*at_i)
+    _submit_rows(self, state, rows)
+
+
+def _event_rows(logs: dict[str, Any], steps: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows of one tapped event: one per key, with the event's steps."""
+    return [{"key": key, "value": value, **steps} for key, value in logs.items()]
+
+
+def _submit_rows(self, state: LoggerState, rows: list[dict[str, Any]]) -> None:
     cls = type(self)
     cls._submit(self, int(state.run), rows)
     cls._check(self)
