@@ -391,3 +391,44 @@ def test_packed_logs_of_every_dtype_and_size_come_back_whole(tmp_path):
     # against numpy: the values at step 4
     np.testing.assert_array_equal(got["big"][2]["value"], np.tile(np.float32(x0 + 1.0), 700))
     np.testing.assert_array_equal(got["i8"][2]["value"], ((x0 + 1.0) * 10).astype(np.int8))
+
+
+def test_steps_without_events_cost_the_writer_no_write(tmp_path, monkeypatch):
+    """A step whose counts hold no event is done once its counts are read: the backend's
+    write path runs for the steps with events (and the first, which opens the run) only."""
+    calls = []
+    write_logs = JsonlLogger._write_logs
+    monkeypatch.setattr(
+        JsonlLogger, "_write_logs", lambda self, item: (calls.append(item), write_logs(self, item))
+    )
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        loop(logger.jit(train_step, logger.init(), interval=INTERVAL), n=50)
+    assert_rows(rows(tmp_path / "a.jsonl"), reference(50))
+    assert len(calls) == 5  # steps 0, 10, 20, 30, 40
+    assert logger._writer.pending_bytes == 0
+
+
+def test_the_device_buffers_of_a_step_are_freed_on_the_loops_thread(tmp_path, monkeypatch):
+    """The writer thread reads each step's buffers and hands them back: the training loop's
+    thread (the one that allocated them) frees them, with its next step or at `flush`, so
+    that the two threads do not contend for the allocator."""
+    from eqx_logs.loggers import _plumbing
+
+    freed = []
+
+    class Watched(_plumbing.Packed):  # a step's packed logs, saying where they are freed
+        def __del__(self):
+            freed.append(threading.current_thread())
+
+    feed = _plumbing.Feed.__call__
+    monkeypatch.setattr(
+        _plumbing.Feed,
+        "__call__",
+        lambda self, p: feed(self, Watched(*p.tree_flatten()[0], p.layout)),
+    )
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        loop(logger.jit(train_step, logger.init(), interval=INTERVAL), n=40)
+        logger.flush()
+        assert len(freed) == 40
+    assert set(freed) == {threading.main_thread()}
+    assert_rows(rows(tmp_path / "a.jsonl"), reference(40))

@@ -276,7 +276,8 @@ class AbstractLogger(eqx.Module):
         )
         spooled = _spool(fun, policy=policy, keep=keep)
         jitted = build(eqx.filter_jit, build(_Packing, spooled), donate=donate)
-        return build_wrapper(_LoggerJitted, self, spooled, jitted, state)
+        feed = type(self)._feed(self, state)
+        return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed)
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
@@ -327,6 +328,10 @@ class AbstractLogger(eqx.Module):
 
     def _check(self) -> None:
         self._writer.check()
+
+    def _feed(self, state: LoggerState) -> Callable[[Packed], None]:
+        """What hands the packed logs of each `logger.jit` call to the writer thread."""
+        return _plumbing.Feed(self, state)
 
     _spool_host = _plumbing._spool_host
     _tap_host = _plumbing._tap_host
@@ -397,6 +402,7 @@ class _LoggerJitted(eqx.Module):
     spooled: Callable
     jitted: Callable  # `spooled`, its logs packed, in `eqx.filter_jit`
     state: LoggerState
+    feed: Callable[[Packed], None]  # hands the packed logs of a call to the writer thread
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
@@ -408,9 +414,13 @@ class _LoggerJitted(eqx.Module):
     def __call__(self, *args, **kwargs):
         if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
             out, logs = self.spooled(*args, **kwargs)
+            _write(self.logger, logs, self.state)
         else:
-            out, logs = self.jitted(*args, **kwargs)
-        _write(self.logger, logs, self.state)
+            out, packed = self.jitted(*args, **kwargs)
+            if _one_process():
+                self.feed(packed)
+            else:  # (arrays of many processes, maybe)
+                _write(self.logger, packed, self.state)
         return out
 
 

@@ -1,4 +1,6 @@
+import functools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -72,6 +74,10 @@ class MultiLogger(AbstractLogger):
     def _submit_logs(self, state: LoggerState, logs: Any, size: int | None = None) -> None:
         self._each("_submit_logs", state, logs, size)  # each fetches on its own thread
 
+    def _feed(self, state: LoggerState) -> Callable[[Any], None]:
+        feeds = tuple(type(logger)._feed(logger, state) for logger in self.loggers)
+        return functools.partial(self._each, feeds)  # each fetches on its own thread
+
     def _check(self) -> None:
         self._each("_check")
 
@@ -84,11 +90,18 @@ class MultiLogger(AbstractLogger):
         """Close every logger; each warns with what it lost (see `flush`)."""
         self._each("close", report=True)
 
-    def _each(self, method: str, *args: Any, report: bool = False) -> None:
+    def _each(
+        self, method: str | tuple[Callable[..., None], ...], *args: Any, report: bool = False
+    ) -> None:
+        """Call `method` of every logger (or `method[i]`, one function per logger) with
+        `args`; a failed backend is isolated."""
         errors = []
         for index, logger in enumerate(self.loggers):  # all of them, then raise the first error
             try:
-                getattr(type(logger), method)(logger, *args)  # (see AbstractLogger's plumbing)
+                if isinstance(method, str):
+                    getattr(type(logger), method)(logger, *args)  # (see AbstractLogger's plumbing)
+                else:
+                    method[index](*args)
             except WriterError as e:  # isolated: reported, never raised
                 self._isolate(index, logger, e)
             except Exception as e:  # noqa: BLE001

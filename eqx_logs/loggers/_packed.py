@@ -22,9 +22,10 @@ from .._logdict import LogDict
 SMALL = 1024
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Layout:
-    """Where each leaf of a packed LogDict is: static, one per compiled step."""
+    """Where each leaf of a packed LogDict is: static, one per compiled step (every call's
+    output holds the same object: compared and hashed by identity)."""
 
     treedef: Any
     # per leaf: (buffer index, offset, shape) for packed leaves, (-1, index in `large`, shape)
@@ -32,8 +33,8 @@ class Layout:
     dtypes: tuple[np.dtype, ...]
     nbytes: int
     # where the counts are, if all are packed in one buffer and nothing else needs reading
-    # (no `first_nonfinite` report): (buffer index, offsets), else None
-    counts: tuple[int, tuple[int, ...]] | None
+    # (no `first_nonfinite` report): (buffer index, number of leading elements), else None
+    counts: tuple[int, int] | None
 
 
 @jax.tree_util.register_pytree_node_class
@@ -66,31 +67,34 @@ def _packable(x: Any) -> bool:
 
 
 def pack(logs: LogDict) -> Packed:
-    """`logs` packed, inside the compiled step."""
+    """`logs` packed, inside the compiled step. The counts go first in their buffer, so that
+    the writer thread tells a write without events by its first elements."""
     leaves, treedef = jax.tree.flatten(logs)
     children, aux = logs.tree_flatten()
     first_leaf = np.cumsum([0] + [len(jax.tree.leaves(c)) for c in children])
     count_leaves = {int(first_leaf[i]) for _, i in aux.plan()[0]}
     groups: dict[Any, list[Any]] = {}
-    large, places, dtypes, nbytes = [], [], [], 0
-    for leaf in leaves:
-        dtype, shape = jnp.result_type(leaf), tuple(np.shape(leaf))
-        dtypes.append(np.dtype(dtype))
-        nbytes += math.prod(shape) * np.dtype(dtype).itemsize
+    large: list[Any] = []
+    places: list[Any] = [None] * len(leaves)
+    for i in sorted(range(len(leaves)), key=lambda i: i not in count_leaves):  # (stable)
+        leaf = leaves[i]
+        dtype, shape = np.dtype(jnp.result_type(leaf)), tuple(np.shape(leaf))
         if _packable(leaf):
-            group = groups.setdefault(np.dtype(dtype), [])
+            group = groups.setdefault(dtype, [])
             offset = sum(math.prod(np.shape(x)) for x in group)
-            places.append((list(groups).index(np.dtype(dtype)), offset, shape))
+            places[i] = (list(groups).index(dtype), offset, shape)
             group.append(jnp.ravel(jnp.asarray(leaf, dtype)))
         else:
-            places.append((-1, len(large), shape))
+            places[i] = (-1, len(large), shape)
             large.append(leaf)
+    dtypes = tuple(np.dtype(jnp.result_type(leaf)) for leaf in leaves)
+    nbytes = sum(math.prod(shape) * d.itemsize for (*_, shape), d in zip(places, dtypes))
     buffers = tuple(jnp.concatenate(group) for group in groups.values())
-    at = {places[i][:2] for i in count_leaves}
+    at = [places[i] for i in count_leaves]
     counts = None
-    if len({index for index, _ in at}) == 1 and -1 not in dict(at) and logs._nonfinite is None:
-        counts = (next(iter(at))[0], tuple(sorted(offset for _, offset in at)))
-    layout = Layout(treedef, tuple(places), tuple(dtypes), nbytes, counts)
+    if len({index for index, *_ in at}) == 1 and at[0][0] >= 0 and logs._nonfinite is None:
+        counts = (at[0][0], sum(math.prod(shape) for *_, shape in at))
+    layout = Layout(treedef, tuple(places), dtypes, nbytes, counts)
     return Packed(buffers, tuple(large), layout)
 
 

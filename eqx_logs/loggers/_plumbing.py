@@ -11,8 +11,8 @@ import jax
 import numpy as np
 
 from .._logdict import LogDict
-from ._host import Record, flat_items, host_array, records
-from ._packed import Packed, stand_in
+from ._host import Record, flat_items, host_array, records, to_host
+from ._packed import Layout, Packed, stand_in
 from ._state import LoggerState
 from ._transfer import _fetch, _leaves, _nbytes
 from ._writer import Writer
@@ -72,6 +72,7 @@ def _started(self) -> Writer:
         writer.name = type(self).__name__
         writer.finish = functools.partial(type(self)._finish, self)
         writer.write_logs = functools.partial(type(self)._write_logs, self)
+        writer.fetch = functools.partial(_fetch, opened=writer.handles)
     return writer
 
 
@@ -83,21 +84,53 @@ def _submit_logs(self, state: LoggerState, logs: LogDict | Packed, size: int | N
     cls = type(self)
     writer = cls._started(self)
     rejected = {}
-    if cls._unstorable is not _unstorable:  # a backend that checks
-        if isinstance(logs, Packed):  # the same for every call of a step
-            layout = logs.layout
-            if layout not in writer.memo:
-                writer.memo[layout] = cls._rejected_logs(self, stand_in(layout))
-            rejected = writer.memo[layout]
-        else:
-            rejected = cls._rejected_logs(self, logs)
-            if rejected:
-                logs, size = logs._without(rejected), None
+    if isinstance(logs, Packed):  # the same for every call of a step
+        rejected = _rejected_layout(self, logs.layout)
+    elif cls._unstorable is not _unstorable:  # a backend that checks
+        rejected = cls._rejected_logs(self, logs)
+        if rejected:
+            logs, size = logs._without(rejected), None
     if size is None:
         size = _nbytes(logs)
     drop = tuple(rejected) if isinstance(logs, Packed) else ()
-    writer.submit(writer.write_logs, (state, logs, drop), size, ready=_fetch)
+    writer.submit(writer.write_logs, (state.run, logs, drop), size, ready=writer.fetch)
     _reject(self, rejected)
+
+
+def _rejected_layout(self, layout: Layout) -> dict[str, str]:
+    """`_rejected_logs` of the packed logs of `layout` (the same for every call of a step)."""
+    if type(self)._unstorable is _unstorable:  # a backend that does not check
+        return {}
+    return type(self)._rejected_logs(self, stand_in(layout))
+
+
+class Feed:
+    """Hands a `logger.jit` step's packed logs to the writer thread (in a single-process run),
+    every call: what is the same for each call is worked out once (the writer, the run
+    indices on the host, the keys the backend cannot store, per layout). A plain class: it
+    runs once per training step, and its cost is the loop's."""
+
+    __slots__ = ("logger", "state", "writer", "runs", "layout", "rejected", "drop")
+
+    def __init__(self, logger: Any, state: LoggerState):
+        self.logger, self.state = logger, state
+        self.writer = self.runs = self.layout = None
+        self.rejected: dict[str, str] = {}
+        self.drop: tuple[str, ...] = ()
+
+    def __call__(self, packed: Packed) -> None:
+        writer = self.writer
+        if writer is None:
+            writer = self.writer = type(self.logger)._started(self.logger)
+            self.runs = to_host(self.state.run)
+        writer.check()
+        if packed.layout is not self.layout:
+            self.rejected = _rejected_layout(self.logger, packed.layout)
+            self.layout, self.drop = packed.layout, tuple(self.rejected)
+        item = (self.runs, packed, self.drop)
+        writer.submit(writer.write_logs, item, packed.layout.nbytes, ready=writer.fetch)
+        if self.rejected:
+            _reject(self.logger, self.rejected)
 
 
 def _rejected_logs(self, logs: LogDict) -> dict[str, str]:

@@ -15,6 +15,8 @@ class Prepared:
 
 
 UNSET = object()
+# What `ready` makes of an item that needs no write: its write is skipped (done at once).
+NOTHING = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +42,11 @@ def unready(write: Any, item: Any) -> bool:
     return isinstance(write, Prepared) and item.value is UNSET
 
 
+def done(write: Any, item: Any) -> bool:
+    """Whether a queued write was made ready as `NOTHING`: nothing is left to do."""
+    return isinstance(write, Prepared) and item.value is NOTHING
+
+
 def batch(write: Any, item: Any, queued: Iterable[tuple[Any, ...]]) -> list[Slot]:
     """The slots to make ready with `write` (just taken from the queue): its own, with those
     queued behind it that the same `ready` makes; none if it has none to make ready."""
@@ -53,11 +60,15 @@ def batch(write: Any, item: Any, queued: Iterable[tuple[Any, ...]]) -> list[Slot
     return slots
 
 
-def fill(ready: Callable[[list[Any]], list[Any]], slots: list[Slot]) -> None:
+def fill(ready: Callable[[list[Any]], list[Any]], slots: list[Slot]) -> list[Any]:
     """Fill `slots` with `ready` of their items. An error is the first slot's (raised by its
-    write; the others are tried again)."""
+    write; the others are tried again). Returns the items made ready, which the slots let go
+    of (for their submitter's thread to drop: see `Writer.submit`)."""
+    items = []
     try:
         for slot, value in zip(slots, ready([slot.item for slot in slots]), strict=True):
-            slot.item, slot.value = None, value  # (the device's buffers are let go)
+            items.append(slot.item)
+            slot.item, slot.value = None, value
     except BaseException as e:  # noqa: BLE001 (raised by the first slot's write)
         slots[0].value = _Failed(e)
+    return items

@@ -4,7 +4,7 @@ of the writes queued in a row (`_fetch`, on the writer thread)."""
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +15,7 @@ from .._logdict import LogDict
 from .._retrace import fun_key, note_compile
 from ._host import to_host
 from ._packed import Packed, pack, unpack
-from ._state import LoggerState
+from ._prepared import NOTHING
 
 
 @functools.cache
@@ -35,17 +35,21 @@ def _leaves(value: Any) -> list[Any]:
 
 
 def _fetch(
-    items: list[tuple[LoggerState, LogDict | Packed, tuple[str, ...]]],
-) -> list[tuple[np.ndarray, LogDict | None]]:
+    items: list[tuple[Any, LogDict | Packed, tuple[str, ...]]], opened: Container[int] = ()
+) -> list[Any]:
     """On the writer thread, before the backend's turn: wait for the device, then fetch the
     run indices and counts (or small leaves, packed) of every write queued in a row (one
     transfer), and the keys that hold events of those that have any (another). `(runs, None)`
-    for a write without events. `drop`: keys not to write (a backend cannot store them)."""
-    heads = to_host([(s.run, _head(logs)) for s, logs, _ in items])
+    for a write without events, or `NOTHING` where its runs are all `opened` already, or
+    opened by a write before it (a write without events opens its runs, and does nothing
+    more). Each item is `(runs, logs,
+    drop)`: `runs`, the state's run indices (on the device or not); `drop`, keys not to
+    write (a backend cannot store them)."""
+    heads = to_host([(runs, _head(logs)) for runs, logs, _ in items])
     more = {  # packed writes whose counts hold an event: all of their small leaves now
         i: list(logs.buffers)
         for i, ((_, logs, _), (_, head)) in enumerate(zip(items, heads))
-        if isinstance(logs, Packed) and logs.layout.counts and _any_event(logs, head)
+        if isinstance(logs, Packed) and logs.layout.counts and head[: logs.layout.counts[1]].any()
     }
     for i, buffers in to_host(more).items():
         heads[i] = (heads[i][0], buffers)
@@ -62,12 +66,15 @@ def _fetch(
         if len(empty) < len(logs) or logs._nonfinite is not None:
             keep[i] = logs._without(empty) if empty else logs
     fetched = to_host(keep)
-    return [(runs, fetched.get(i)) for i, (runs, _) in enumerate(heads)]
-
-
-def _any_event(logs: Packed, counts: np.ndarray) -> bool:
-    """Whether the buffer of a packed write's counts (`_head`) counts an event."""
-    return bool(counts[list(logs.layout.counts[1])].any())
+    out, opening = [], set()  # (the runs that a write before this one opens)
+    for i, (runs, _) in enumerate(heads):
+        mine = {int(r) for r in np.ravel(runs)}
+        if i in fetched or not all(r in opened or r in opening for r in mine):
+            out.append((runs, fetched.get(i)))
+            opening |= mine
+        else:
+            out.append(NOTHING)
+    return out
 
 
 def _head(logs: LogDict | Packed) -> Any:

@@ -15,7 +15,7 @@ from ._losses import (
     WriterError as WriterError,
     WriterWarning as WriterWarning,
 )
-from ._prepared import Prepared, Slot, batch, fill, unready
+from ._prepared import NOTHING, Prepared, Slot, batch, done, fill, unready
 from ._stall import Watchdog
 
 _live: "weakref.WeakSet[Writer]" = weakref.WeakSet()
@@ -70,6 +70,10 @@ class Writer:
         self.on_full = on_full
         self.finish: Callable[[], None] | None = None  # set by the owner: closes its runs
         self.write_logs: Callable[[Any], None] | None = None  # set by the owner
+        self.fetch: Callable[[list[Any]], list[Any]] | None = None  # the owner's `ready`
+        self._prepared: dict[tuple[Any, Any], Prepared] = {}  # one per (write, ready)
+        # items made ready, dropped by the next `submit`, `flush` or `close` (see `submit`)
+        self._released: collections.deque = collections.deque()
         self.memo: dict[Any, Any] = {}  # the owner's, for what it works out once
         self.handles: dict[int, Any] = {}  # per-run backend state, used on the thread only
         self._changed = threading.Condition()  # guards everything below
@@ -111,10 +115,22 @@ class Writer:
 
         With `ready`, `write` gets what `ready` made of `item` instead: `ready` takes a list
         of items and returns a list, and gets every item queued in a row with the same
-        `ready` at once (one transfer from the device for all of them)."""
+        `ready` at once (one transfer from the device for all of them). The items it made
+        ready are dropped by the next `submit` (or `flush`, `close`), on the caller's thread:
+        freeing device buffers on the writer thread contends with the thread that allocated
+        them (the training loop's) for the allocator's locks."""
+        self._drop_released()
         if ready is not None:
-            write, item = Prepared(write, ready), Slot(item)
+            prepared = self._prepared.get((write, ready))
+            if prepared is None:
+                prepared = self._prepared.setdefault((write, ready), Prepared(write, ready))
+            write, item = prepared, Slot(item)
         self._put(write, item, size, always=False)
+
+    def _drop_released(self) -> None:
+        released = self._released
+        while released:
+            released.popleft()
 
     def notify(self, message: str, category: type[Warning]) -> None:
         """Keep a warning for the caller's next `check` (from the writer thread)."""
@@ -136,6 +152,10 @@ class Writer:
                 self._append(write, item, size, always, time.monotonic())
                 return
             if not self._losses.admit():  # the backend has failed: skipped
+                return
+            now = time.monotonic()
+            if self._fits(size) and not self._stalled(now):  # room, and the backend progresses
+                self._append(write, item, size, always, now)
                 return
             full = not self._fits(size) and not self._stalled(time.monotonic())
             if full and self.on_full == "drop":
@@ -189,9 +209,11 @@ class Writer:
                     if slots and self._losses.error is None:
                         # waiting for the device is not the backend's time: no stall clock
                         with self._watchdog.paused(self._changed):
-                            fill(write.ready, slots)
+                            self._released.append(fill(write.ready, slots))
                     write, item = write.write, item.get()
-                if self._losses.error is None or always:  # closing runs even after an error
+                if item is NOTHING:  # (made ready as nothing to write)
+                    pass
+                elif self._losses.error is None or always:  # closing runs even after an error
                     write(item)
                 else:
                     with self._changed:
@@ -203,6 +225,9 @@ class Writer:
                 with self._changed:
                     self._pending_bytes -= size
                     self._done += 1
+                    while self._items and done(*self._items[0][:2]):  # made ready with it
+                        self._pending_bytes -= self._items.popleft()[2]
+                        self._done += 1
                     self._writing = False
                     recovered = self._watchdog.progressed(self.name)
                     self._changed.notify_all()
@@ -276,7 +301,9 @@ class Writer:
     def flush(self) -> None:
         """Wait until everything submitted so far is written (at most until the backend
         stalls), report what was lost (`WriterWarning`), then `check`."""
-        if not self._wait() and (message := self._gave_up("flush", abandon=False)):
+        written = self._wait()
+        self._drop_released()
+        if not written and (message := self._gave_up("flush", abandon=False)):
             warn_user(message, WriterWarning)
         self._report()
         self.check()
@@ -289,6 +316,7 @@ class Writer:
             finish = self.finish
             self._put(lambda _: finish(), None, 0, always=True)
         written = self._wait()
+        self._drop_released()
         if not written and (message := self._gave_up("close", abandon=True)):
             warn_user(message, WriterWarning)
         with self._changed:
