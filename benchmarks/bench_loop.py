@@ -4,12 +4,16 @@ An Equinox MLP trained with optax's adam, `STEPS` steps of a Python loop, the lo
 gradient norm and the learning-rate scale logged with `step=i` and `interval=100`, written
 to a JSONL file. Each form runs the same loop; the ratio is its wall time over the loop
 without logging (`eqx.filter_jit(step)`, the loss ignored), measured side by side
-(interleaved, median of the per-round ratios), for a small MLP (dispatch-bound) and a wide
+(interleaved, median of the per-round ratios, with their quartiles: on a shared machine
+the spread between rounds is as telling as the median), for a small MLP (dispatch-bound) and a wide
 one (compute-bound). Target for the recommended form, `logger.jit`: <= 1.05.
 
 Forms:
 
 - `habit`: the step returns the loss; every 100th step `float()`s it and writes a line;
+- `habit, every metric`: the step returns all three metrics (the gradient norm computed at
+  every step, as a step that returns its metrics computes it); every 100th step writes them:
+  what logging these values by hand costs, against which `logger.jit` is best compared;
 - `logger.jit`: `logger.jit(step, state, interval=100)` (the recommended form);
 - `jit + write`: `eqx.filter_jit(eqx_logs.spool(step, interval=100))`, then
   `logger.write(logs)` every step;
@@ -56,24 +60,31 @@ def make(width: int, depth: int):
     def loss_fn(model, x, y):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
-    def step(model, opt_state, x, y, i):
+    def train(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
         updates, opt_state = opt.update(grads, opt_state, model)
         model = eqx.apply_updates(model, updates)
-        eqx_logs.log(
-            {"loss": loss, "grad_norm": optax.tree.norm(grads), "scale": jnp.float32(1.0)},
-            step=i,
-        )
-        return model, opt_state, loss
+        metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "scale": jnp.float32(1.0)}
+        return model, opt_state, metrics
+
+    def step(model, opt_state, x, y, i):
+        model, opt_state, metrics = train(model, opt_state, x, y)
+        eqx_logs.log(metrics, step=i)
+        return model, opt_state, metrics["loss"]
+
+    def returning(model, opt_state, x, y, i):  # by hand: every metric returned, every step
+        del i
+        return train(model, opt_state, x, y)
 
     opt_state = opt.init(eqx.filter(model, eqx.is_array))
-    return model, opt_state, x, y, step
+    return model, opt_state, x, y, step, returning
 
 
 def loops(width: int, depth: int, path: str):
     """Each form as a function running the whole loop, and a check of its file."""
-    model0, opt0, x, y, step = make(width, depth)
+    model0, opt0, x, y, step, returning = make(width, depth)
     plain = eqx.filter_jit(step)
+    returned = eqx.filter_jit(returning)
 
     def run_plain():
         m, o = model0, opt0
@@ -93,6 +104,22 @@ def loops(width: int, depth: int, path: str):
                         habit_losses[i] = float(loss)
                         f.write(json.dumps({"key": "loss", "value": float(loss), "step": i}))
                         f.write("\n")
+            jax.block_until_ready(m)
+
+        return go
+
+    def run_returned(path):
+        def go():
+            m, o = model0, opt0
+            with open(path, "a") as f:
+                for i in range(STEPS):
+                    m, o, metrics = returned(m, o, x, y, jnp.int32(i))
+                    if i % INTERVAL == 0:
+                        for key, value in metrics.items():
+                            f.write(
+                                json.dumps({"run": 0, "key": key, "value": float(value), "step": i})
+                            )
+                            f.write("\n")
             jax.block_until_ready(m)
 
         return go
@@ -124,7 +151,7 @@ def loops(width: int, depth: int, path: str):
             lambda lg, s: eqx.filter_jit(lg.tap(step, s, interval=INTERVAL))
         ),
     }
-    return run_plain, run_habit, forms, habit_losses
+    return run_plain, run_habit, run_returned, forms, habit_losses
 
 
 def check(path: str, losses: dict[int, float], form: str) -> None:
@@ -138,11 +165,16 @@ def check(path: str, losses: dict[int, float], form: str) -> None:
 
 def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]:
     tmp = tempfile.mkdtemp()
-    run_plain, run_habit, forms, losses = loops(width, depth, tmp)
+    run_plain, run_habit, run_returned, forms, losses = loops(width, depth, tmp)
     habit_path = os.path.join(tmp, "habit.jsonl")
+    returned_path = os.path.join(tmp, "returned.jsonl")
     loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
     states = {f: loggers[f].init() for f in forms}
-    runs = {"plain": run_plain, "habit": run_habit(habit_path)}
+    runs = {
+        "plain": run_plain,
+        "habit": run_habit(habit_path),
+        "habit, every metric": run_returned(returned_path),
+    }
     runs.update({f: (lambda f=f: forms[f](loggers[f], states[f])) for f in forms})
     for fn in runs.values():  # compile, warm up
         fn()
@@ -155,6 +187,7 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
     for f, logger in loggers.items():
         logger.close()
         check(logger.path, losses, f)
+    check(returned_path, losses, "habit, every metric")
     base = times["plain"]
     per_step = statistics.median(base) / STEPS * 1e6
     print(f"\n{name} (width {width}, depth {depth}): plain {per_step:.0f} us/step")
@@ -162,17 +195,19 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
     for k in runs:
         if k == "plain":
             continue
-        ratios[k] = statistics.median(t / b for t, b in zip(times[k], base))
+        per_round = sorted(t / b for t, b in zip(times[k], base))
+        ratios[k] = statistics.median(per_round)
+        q1, q3 = (per_round[round(q * (len(per_round) - 1))] for q in (0.25, 0.75))
         mark = ""
         if k == "logger.jit":
             mark = "  ok" if ratios[k] <= TARGET else f"  MISS (target <= {TARGET})"
-        print(f"  {k:28s} {ratios[k]:5.2f}x{mark}")
+        print(f"  {k:28s} {ratios[k]:5.2f}x  (rounds' quartiles {q1:.2f}-{q3:.2f}){mark}")
     return ratios
 
 
 def memory(width: int, depth: int) -> None:
     tmp = tempfile.mkdtemp()
-    model, opt_state, x, y, step = make(width, depth)
+    model, opt_state, x, y, step, _ = make(width, depth)
     with JsonlLogger(os.path.join(tmp, "mem.jsonl")) as logger:
         fn = logger.jit(step, logger.init(), interval=INTERVAL)
         samples = []
