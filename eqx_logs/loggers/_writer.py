@@ -34,7 +34,8 @@ class Writer:
 
     - An item may come with `ready(item)`, run on the thread first: waiting there (for the
       device to finish computing the arrays an item holds) is not the backend's time, so it
-      never counts towards a stall, and the stall clock starts when it returns.
+      never counts towards a stall, and the stall clock starts when it returns. What `ready`
+      makes `NOTHING` (a step's logs without events) is done without a write.
     - `notify(message, category)` (from the thread) keeps a warning for the next `check`,
       which issues it on the caller's thread, attributed to the user's call.
 
@@ -157,7 +158,7 @@ class Writer:
             if self._fits(size) and not self._stalled(now):  # room, and the backend progresses
                 self._append(write, item, size, always, now)
                 return
-            full = not self._fits(size) and not self._stalled(time.monotonic())
+            full = not self._fits(size) and not self._stalled(now)
             if full and self.on_full == "drop":
                 message = self._losses.drop_full(
                     self.name, self._pending_bytes, self.max_pending_bytes
