@@ -42,9 +42,8 @@ def _fetch(
     transfer), and the keys that hold events of those that have any (another). `(runs, None)`
     for a write without events, or `NOTHING` where its runs are all `opened` already, or
     opened by a write before it (a write without events opens its runs, and does nothing
-    more). Each item is `(runs, logs,
-    drop)`: `runs`, the state's run indices (on the device or not); `drop`, keys not to
-    write (a backend cannot store them)."""
+    more). Each item is `(runs, logs, drop)`: `runs`, the state's run indices (on the device
+    or not); `drop`, keys not to write (a backend cannot store them)."""
     heads = to_host([(runs, _head(logs)) for runs, logs, _ in items])
     more = {  # packed writes whose counts hold an event: all of their small leaves now
         i: list(logs.buffers)
