@@ -81,7 +81,8 @@ def make(width: int, depth: int):
 
 
 def loops(width: int, depth: int, path: str):
-    """Each form as a function running the whole loop, and a check of its file."""
+    """The loop without logging; the loops logging by hand (to JSON lines under `path`);
+    each logger form as a function running the whole loop; the losses written by hand."""
     model0, opt0, x, y, step, returning = make(width, depth)
     plain = eqx.filter_jit(step)
     returned = eqx.filter_jit(returning)
@@ -94,32 +95,21 @@ def loops(width: int, depth: int, path: str):
 
     habit_losses = {}
 
-    def run_habit(logger):
+    def run_by_hand(name, fn, metrics):
+        """The loop logging by hand: every 100th step, `metrics` of `fn`'s third output,
+        `float()`ed and written as JSON lines."""
+
         def go():
             m, o = model0, opt0
-            with open(logger, "a") as f:
+            with open(os.path.join(path, name), "a") as f:
                 for i in range(STEPS):
-                    m, o, loss = plain(m, o, x, y, jnp.int32(i))
+                    m, o, out = fn(m, o, x, y, jnp.int32(i))
                     if i % INTERVAL == 0:
-                        habit_losses[i] = float(loss)
-                        f.write(json.dumps({"key": "loss", "value": float(loss), "step": i}))
-                        f.write("\n")
-            jax.block_until_ready(m)
-
-        return go
-
-    def run_returned(path):
-        def go():
-            m, o = model0, opt0
-            with open(path, "a") as f:
-                for i in range(STEPS):
-                    m, o, metrics = returned(m, o, x, y, jnp.int32(i))
-                    if i % INTERVAL == 0:
-                        for key, value in metrics.items():
-                            f.write(
-                                json.dumps({"run": 0, "key": key, "value": float(value), "step": i})
-                            )
-                            f.write("\n")
+                        for key, value in metrics(out).items():
+                            if key == "loss":
+                                habit_losses[i] = float(value)
+                            row = {"run": 0, "key": key, "value": float(value), "step": i}
+                            f.write(json.dumps(row) + "\n")
             jax.block_until_ready(m)
 
         return go
@@ -151,7 +141,11 @@ def loops(width: int, depth: int, path: str):
             lambda lg, s: eqx.filter_jit(lg.tap(step, s, interval=INTERVAL))
         ),
     }
-    return run_plain, run_habit, run_returned, forms, habit_losses
+    by_hand = {
+        "habit": run_by_hand("habit.jsonl", plain, lambda loss: {"loss": loss}),
+        "habit, every metric": run_by_hand("returned.jsonl", returned, lambda metrics: metrics),
+    }
+    return run_plain, by_hand, forms, habit_losses
 
 
 def check(path: str, losses: dict[int, float], form: str) -> None:
@@ -165,16 +159,10 @@ def check(path: str, losses: dict[int, float], form: str) -> None:
 
 def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]:
     tmp = tempfile.mkdtemp()
-    run_plain, run_habit, run_returned, forms, losses = loops(width, depth, tmp)
-    habit_path = os.path.join(tmp, "habit.jsonl")
-    returned_path = os.path.join(tmp, "returned.jsonl")
+    run_plain, by_hand, forms, losses = loops(width, depth, tmp)
     loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
     states = {f: loggers[f].init() for f in forms}
-    runs = {
-        "plain": run_plain,
-        "habit": run_habit(habit_path),
-        "habit, every metric": run_returned(returned_path),
-    }
+    runs = {"plain": run_plain, **by_hand}
     runs.update({f: (lambda f=f: forms[f](loggers[f], states[f])) for f in forms})
     for fn in runs.values():  # compile, warm up
         fn()
@@ -187,7 +175,7 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
     for f, logger in loggers.items():
         logger.close()
         check(logger.path, losses, f)
-    check(returned_path, losses, "habit, every metric")
+    check(os.path.join(tmp, "returned.jsonl"), losses, "habit, every metric")
     base = times["plain"]
     per_step = statistics.median(base) / STEPS * 1e6
     print(f"\n{name} (width {width}, depth {depth}): plain {per_step:.0f} us/step")

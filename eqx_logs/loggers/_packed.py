@@ -74,11 +74,11 @@ def pack(logs: LogDict) -> Packed:
     first_leaf = np.cumsum([0] + [len(jax.tree.leaves(c)) for c in children])
     count_leaves = {int(first_leaf[i]) for _, i in aux.plan()[0]}
     groups: dict[Any, list[Any]] = {}
+    dtypes = tuple(np.dtype(jnp.result_type(leaf)) for leaf in leaves)
     large: list[Any] = []
     places: list[Any] = [None] * len(leaves)
     for i in sorted(range(len(leaves)), key=lambda i: i not in count_leaves):  # (stable)
-        leaf = leaves[i]
-        dtype, shape = np.dtype(jnp.result_type(leaf)), tuple(np.shape(leaf))
+        leaf, dtype, shape = leaves[i], dtypes[i], tuple(np.shape(leaves[i]))
         if _packable(leaf):
             group = groups.setdefault(dtype, [])
             offset = sum(math.prod(np.shape(x)) for x in group)
@@ -87,7 +87,6 @@ def pack(logs: LogDict) -> Packed:
         else:
             places[i] = (-1, len(large), shape)
             large.append(leaf)
-    dtypes = tuple(np.dtype(jnp.result_type(leaf)) for leaf in leaves)
     nbytes = sum(math.prod(shape) * d.itemsize for (*_, shape), d in zip(places, dtypes))
     buffers = tuple(jnp.concatenate(group) for group in groups.values())
     at = [places[i] for i in count_leaves]

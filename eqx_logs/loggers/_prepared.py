@@ -64,10 +64,9 @@ def fill(ready: Callable[[list[Any]], list[Any]], slots: list[Slot]) -> list[Any
     """Fill `slots` with `ready` of their items. An error is the first slot's (raised by its
     write; the others are tried again). Returns the items made ready, which the slots let go
     of (for their submitter's thread to drop: see `Writer.submit`)."""
-    items = []
+    items = [slot.item for slot in slots]
     try:
-        for slot, value in zip(slots, ready([slot.item for slot in slots]), strict=True):
-            items.append(slot.item)
+        for slot, value in zip(slots, ready(items), strict=True):
             slot.item, slot.value = None, value
     except BaseException as e:  # noqa: BLE001 (raised by the first slot's write)
         slots[0].value = _Failed(e)
