@@ -5,7 +5,9 @@ singular values on every 100th step only. The interpreter therefore does not eva
 equation whose outputs are used only by log equations (directly or through other such
 equations) when it meets it: the log's operands arrive as `Lazy` values, and the event forces
 them inline when it is always kept, or inside the `lax.cond` that folds it in when it may be
-skipped, so that XLA runs the computation only for kept events.
+skipped, so that XLA runs the computation only for kept events. On GPUs, where a conditional
+makes the host wait for the device, there is no `lax.cond`: the computation runs at every
+step (`_branching.py`).
 """
 
 from collections.abc import Callable

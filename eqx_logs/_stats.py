@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
-from . import _compat
+from . import _branching, _compat
 from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
 
 
@@ -53,7 +53,9 @@ def _compute(
       about 1e-19), or the mean dwarfs the spread (the variance from the two sums would
       cancel). It scales `x` by a power of two (exactly) and takes the variance around the
       mean. So a finite array has finite statistics, but for a `norm` past the dtype's
-      largest value, and `first_nonfinite` finds the value, not its statistic.
+      largest value, and `first_nonfinite` finds the value, not its statistic. On GPUs,
+      where a conditional makes the host wait for the device, the careful path runs every
+      time, each lane keeping the quick path's values where they serve (`_branching.py`).
     """
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
@@ -120,7 +122,7 @@ def _compute(
             # lanes the quick path serves keep its values (all of them but one, usually)
             return tuple(jnp.where(ok, a, b) for a, b in zip(quick(), slow))
 
-        mean, std, rms, nonfinite = lax.cond(jnp.all(ok), quick, careful)
+        mean, std, rms, nonfinite = _branching.skippable(~jnp.all(ok), careful, quick)
         norm = rms * jnp.sqrt(size)
         out.update(mean=mean, std=std, rms=rms, norm=norm, nonfinite=nonfinite)
     for name, reduce, empty in (("min", jnp.min, jnp.inf), ("max", jnp.max, -jnp.inf)):

@@ -162,6 +162,47 @@ def test_skipped_events_do_not_compute_the_statistic(kind):
     assert "svd" in top and "cond" not in top
 
 
+def _step_with_statistics():
+    def step(w, i):  # a new function for each program: JAX caches traces by function
+        g = jnp.sin(w) * 3.0
+        el.log("norm", jnp.linalg.norm(g), step=i)  # computed only for the log
+        el.log("sv", jnp.linalg.svd(w, compute_uv=False), step=i)
+        el.log_stats("w", w, step=i)
+        return w - 0.1 * g
+
+    return step
+
+
+@pytest.mark.parametrize("interval", [None, 3])
+def test_on_a_gpu_the_step_computes_rather_than_branches(monkeypatch, interval):
+    # XLA:GPU decides a conditional on the host, waiting for the device (`_branching.py`):
+    # there the step computes what a `lax.cond` would skip, with the same values. Tested on
+    # the CPU made one of the platforms that compute (the choice is `lax.platform_dependent`'s,
+    # made when the program is lowered for its platform).
+    from eqx_logs import _branching
+
+    assert set(_branching.SELECTING) == {"cuda", "rocm"}
+    w = jnp.eye(4) + jnp.arange(16.0).reshape(4, 4) / 10
+    huge = w.at[0, 0].set(1e30)  # `log_stats`'s careful path
+    programs = {}
+    for selecting in (("cuda", "rocm"), ("cpu", "cuda", "rocm")):
+        monkeypatch.setattr(_branching, "SELECTING", selecting)
+        fn = jax.jit(el.spool(_step_with_statistics(), interval=interval))
+        compiled = fn.lower(w, 0).compile()
+        programs[selecting] = (
+            compiled.as_text().count(" conditional("),
+            [[compiled(x, i) for i in range(4)] for x in (w, huge)],
+        )
+    (n_branching, want), (n_computing, got) = programs.values()
+    assert n_branching >= 1 and n_computing == 0
+    for runs_got, runs_want in zip(got, want):
+        for i, (a, b) in enumerate(zip(runs_got, runs_want)):
+            assert jax.tree.structure(a) == jax.tree.structure(b)
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+                np.testing.assert_allclose(x, y, rtol=1e-6)
+            assert int(b[1].count["norm"]) == (1 if interval is None or i % 3 == 0 else 0)
+
+
 @pytest.mark.usefixtures("standard_promotion")  # optax's Adam (see conftest.py)
 def test_optax_training_loop():
     """A real optax training loop, one jitted step per iteration: the logged loss and gradient

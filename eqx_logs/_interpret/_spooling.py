@@ -8,9 +8,8 @@ from typing import Any
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax import lax
 
-from .. import _lanes
+from .. import _branching, _lanes
 from .._deferred import Lazy, force
 from .._logdict import LogDict
 from .._methods import method
@@ -58,7 +57,7 @@ class Spool(Handler):
     def event(self, eqn: Any, invals: list[Any], states: dict[str, Any]) -> None:
         """Fold the events of one log equation into the states. Operands computed only for
         logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
-        inside the `lax.cond` that folds it in."""
+        inside the `lax.cond` that folds it in (but on GPUs: `_branching.py`)."""
         interp = self.interp
         store, lanes = interp.store, interp.lanes
         params = eqn.params
@@ -109,10 +108,11 @@ class Spool(Handler):
         else:  # computed only if some event is kept
             kept = functools.reduce(jnp.logical_or, [jnp.any(v) for v in valid.values()])
 
-            def folded(sub):
+            def folded(sub):  # also right where no event is kept: `fold` masks them
                 return store.settle(fold(sub, force(invals[:n_leaves], {})))
 
-            states.update(lax.cond(kept, folded, lambda s: s, store.settle(states, keys)))
+            sub = store.settle(states, keys)
+            states.update(_branching.skippable(kept, folded, lambda s: s, sub))
 
     def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
         """Each lane of a batched event as an event of its own (`KeyInfo.lanes_as_events`)."""
