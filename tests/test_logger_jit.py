@@ -9,6 +9,7 @@ something ran.
 import threading
 import time
 import warnings
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -111,10 +112,10 @@ def test_the_compiled_step_holds_no_callback_and_no_effect():
 
 def test_writing_never_waits_for_the_device(tmp_path):
     """A step that keeps the device busy for about a second, in `jax.jit` (which returns at
-    once; `eqx.filter_jit`, and so `logger.jit`, waits for each call to report Equinox's
-    runtime errors): `logger.write` returns at once too, the writer waits for the arrays
-    (that wait is not the backend's: no stall with `stall_timeout=0.2`), and the event is
-    written."""
+    once; `eqx.filter_jit` waits for each call to report Equinox's runtime errors; for
+    `logger.jit`, see the next test): `logger.write` returns at once too, the writer waits
+    for the arrays (that wait is not the backend's: no stall with `stall_timeout=0.2`), and
+    the event is written."""
     m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
 
     def step(w, n, i):
@@ -148,6 +149,107 @@ def test_writing_never_waits_for_the_device(tmp_path):
     got = read_jsonl(tmp_path / "a.jsonl")
     assert [r["step"] for r in got] == list(range(i + 1))
     np.testing.assert_allclose(got[-1]["value"], float(jnp.sum(w)), rtol=1e-5)
+
+
+def test_the_compiled_step_returns_before_the_device_is_done(tmp_path):
+    """`logger.jit` dispatches the step and returns, as `jax.jit` does (`eqx.filter_jit`
+    waits for every call: measured beside it); the next step queues behind it on the
+    device, and every event is written with its value."""
+    m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
+
+    def step(w, n, i):
+        w = jax.lax.fori_loop(0, n, lambda _, w: jnp.tanh(w @ m), w)
+        eqx_logs.log("w", jnp.sum(w), step=i)
+        return w
+
+    w0 = jnp.ones((8, 256), jnp.float32)
+    waiting = eqx.filter_jit(eqx_logs.spool(step))
+    jax.block_until_ready(waiting(w0, jnp.int32(1), jnp.int32(0)))
+    n, took = 100, 0.0
+    while took < 0.8:  # about a second of work
+        n *= 2 if took < 0.1 else 1.6
+        start = time.monotonic()
+        waiting(w0, jnp.int32(n), jnp.int32(0))  # Equinox returns once the device is done
+        took = time.monotonic() - start
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init())
+        jax.block_until_ready(jitted(w0, jnp.int32(1), jnp.int32(0)))  # compiled
+        start = time.monotonic()
+        w1 = jitted(w0, jnp.int32(n), jnp.int32(1))
+        w2 = jitted(w1, jnp.int32(n), jnp.int32(2))
+        returned = time.monotonic() - start
+        jax.block_until_ready(w2)
+        done = time.monotonic() - start
+    assert returned < took / 3 and done >= took, (returned, done, took)
+    got = read_jsonl(tmp_path / "a.jsonl")
+    assert [r["step"] for r in got] == [0, 1, 2]
+    np.testing.assert_allclose([r["value"] for r in got[1:]], [jnp.sum(w1), jnp.sum(w2)], rtol=1e-5)
+
+
+class _Outputs(eqx.Module):
+    spooled: Callable
+
+    def __call__(self, *args):
+        return self.spooled(*args)[0]
+
+
+@pytest.mark.parametrize("donate", ["none", "all", "all-except-first", "warn"])
+def test_arguments_are_donated_as_by_filter_jit(tmp_path, donate):
+    """Which arguments' buffers a call donates, against `eqx.filter_jit(donate=...)`; the
+    function's own arrays (a model's) are passed to every call and never donated."""
+
+    class Scale(eqx.Module):
+        a: jax.Array
+
+        def __call__(self, w, v, i):
+            eqx_logs.log("w", jnp.sum(w), step=i)
+            return w * self.a, v + 1
+
+    def deleted(step, scale):
+        w, v = jnp.ones(4, jnp.float32), jnp.zeros(4, jnp.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (donation unusable on some backends)
+            for i in range(3):
+                w2, v2 = step(scale())(w, v, jnp.int32(i))
+                gone = (w.is_deleted(), v.is_deleted())
+                w, v = w2, v2
+        return gone, (float(w[0]), float(v[0]))
+
+    model = Scale(jnp.float32(2))
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(model, logger.init(), donate=donate)
+        got = deleted(lambda _: jitted, lambda: model)
+    assert not model.a.is_deleted()  # (Equinox donates it too: its next call would fail)
+    fresh = lambda: Scale(jnp.float32(2))  # noqa: E731
+    want = deleted(lambda s: eqx.filter_jit(_Outputs(eqx_logs.spool(s)), donate=donate), fresh)
+    assert got == want and got[1] == (8.0, 3.0)
+    assert [r["value"] for r in read_jsonl(tmp_path / "a.jsonl")] == [4.0, 8.0, 16.0]
+
+
+def test_other_leaves_are_compiled_in_as_by_filter_jit(tmp_path):
+    """A leaf that is not an array (a Python number, a function in a model, a string) is a
+    constant of the compiled step, a new value compiling it anew, as in `eqx.filter_jit`;
+    outputs that are not arrays come back; an unhashable one is named."""
+    traces = []
+
+    def step(model, x, scale, name, i):
+        traces.append(scale)
+        eqx_logs.log(name, jnp.sum(model(x)) * scale, step=i)
+        return model, name
+
+    model = eqx.nn.MLP(3, 2, 4, 1, activation=jax.nn.relu, key=jax.random.key(0))
+    x = jnp.ones(3, jnp.float32)
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init())
+        for i, scale in enumerate([1.0, 1.0, 2.0, 1.0]):
+            out, name = jitted(model, x, scale, "y", jnp.int32(i))
+        assert traces == [1.0, 2.0] and name == "y"
+        assert out.activation is jax.nn.relu and eqx.tree_equal(out, model)
+        with pytest.raises(TypeError, match=r"logger.jit: the argument at args\[2\].*set"):
+            jitted(model, x, {1.0}, "y", jnp.int32(9))
+    y = float(jnp.sum(model(x)))
+    got = read_jsonl(tmp_path / "a.jsonl")
+    np.testing.assert_allclose([r["value"] for r in got], [y, y, 2 * y, y], rtol=1e-6)
 
 
 def test_donated_buffers_reach_the_file_with_their_values(tmp_path):

@@ -16,6 +16,7 @@ from .._spool import build, build_wrapper, spool as _spool
 from .._tap import check_buffer, check_tap_options, tap_with
 from . import _plumbing
 from ._host import Record
+from ._jit import Donate, Jit
 from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._state import LoggerState, _run_index
@@ -220,7 +221,7 @@ class AbstractLogger(eqx.Module):
         state: LoggerState,
         /,
         *,
-        donate: Literal["all", "all-except-first", "warn", "none"] = "none",
+        donate: Donate = "none",
         policy: Policy | None = None,
         reduce: Any = None,
         interval: int | None = None,
@@ -233,8 +234,9 @@ class AbstractLogger(eqx.Module):
         across: str | tuple[str, ...] | None = None,
         first_nonfinite: bool | None = None,
     ) -> Callable[..., _T]:
-        """`eqx.filter_jit(fun)`, spooled, its logs written to `state`'s run: the form for
-        the training loop that calls one compiled step per Python iteration.
+        """`fun` compiled as by `eqx.filter_jit(fun)`, spooled, its logs written to `state`'s
+        run: the form for the training loop that calls one compiled step per Python
+        iteration.
 
         ```python
         step = logger.jit(train_step, logger.init(), interval=100)
@@ -243,15 +245,21 @@ class AbstractLogger(eqx.Module):
         ```
 
         The compiled step holds no host callback and no effect, so each call takes JAX's
-        fast dispatch path, as `eqx.filter_jit(train_step)` does. Its logs come out as
-        arrays and are handed, as they are, to the logger's writer thread, which waits for
-        the device, fetches the keys that hold events (the steps an `interval` skips hold
-        none, and cost a transfer of their counts alone) and writes them, in order. The
-        training loop never waits for the device because of logging. (Logging inside the
-        step is as for [`eqx_logs.spool`][]: same options; `donate` as for
-        `eqx.filter_jit`.) A backend error, a value the backend cannot store and, with
-        `first_nonfinite`, a [`eqx_logs.loggers.NonfiniteWarning`][] come from the next call
-        into the logger.
+        fast dispatch path, and returns once the step is dispatched, as a `jax.jit` call
+        does: the next step queues behind it on the device. (`eqx.filter_jit` waits for the
+        device at every call, so that an `eqx.error_if` raises there with Equinox's message;
+        here such an error is JAX's runtime error, which holds the message, raised by a
+        later call or where the outputs are read.) As in `eqx.filter_jit`, the arrays among
+        the arguments are traced and every other leaf is compiled in (a new value compiles
+        the step anew). Its logs come out as arrays and are handed, as they are, to the
+        logger's writer thread, which waits for the device, fetches the keys that hold
+        events (the steps an `interval` skips hold none, and cost a transfer of their counts
+        alone) and writes them, in order. The training loop never waits for the device
+        because of logging. (Logging inside the step is as for [`eqx_logs.spool`][]: same
+        options; `donate` as for `eqx.filter_jit`, but for `fun`'s own arrays, a model's,
+        which are never donated.) A backend error, a value the backend cannot store and,
+        with `first_nonfinite`, a [`eqx_logs.loggers.NonfiniteWarning`][] come from the next
+        call into the logger.
 
         In that loop `logger.jit` writes what `eqx.filter_jit(logger.spool(...))` and
         `eqx.filter_jit(logger.tap(...))` write, without the host callback those put in
@@ -275,7 +283,7 @@ class AbstractLogger(eqx.Module):
             first_nonfinite=first_nonfinite,
         )
         spooled = _spool(fun, policy=policy, keep=keep)
-        jitted = build(eqx.filter_jit, build(_Packing, spooled), donate=donate)
+        jitted = Jit(build(_Packing, spooled), donate)
         feed = type(self)._feed(self, state)
         return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed)
 
@@ -400,7 +408,7 @@ class _LoggerSpooled(eqx.Module):
 class _LoggerJitted(eqx.Module):
     logger: AbstractLogger
     spooled: Callable
-    jitted: Callable  # `spooled`, its logs packed, in `eqx.filter_jit`
+    jitted: Jit  # `spooled`, its logs packed, compiled (as by `eqx.filter_jit`, without its wait)
     state: LoggerState
     feed: Callable[[Packed], None]  # hands the packed logs of a call to the writer thread
 

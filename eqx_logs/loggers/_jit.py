@@ -1,0 +1,131 @@
+"""`logger.jit`'s dispatch: `eqx.filter_jit`'s split of the arguments, without its wait.
+
+`eqx.filter_jit` waits, at every call, for the device to finish the call's computation (it
+blocks on a marker output, so that an `eqx.error_if` raises at the call). A training loop
+that calls one compiled step per iteration then never dispatches a step while the device
+runs the one before, and pays Equinox's Python work for every call on top. `Jit` splits the
+function's and the arguments' leaves as `eqx.filter_jit` does (arrays traced, every other
+leaf compiled in, a new one compiling anew) and calls a `jax.jit` of the arrays alone, which
+returns as soon as the computation is dispatched.
+"""
+
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax
+import jax.tree_util as jtu
+
+Donate = Literal["all", "all-except-first", "warn", "none"]
+
+
+class _Static:
+    """A pytree without leaves: what a trace found in the output that is not an array."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
+
+
+jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
+
+
+def _split(leaves: Sequence[Any]) -> tuple[tuple[bool, ...], tuple[Any, ...]]:
+    """Which leaves are arrays, and the others (None in the arrays' places)."""
+    arrays = tuple(map(eqx.is_array, leaves))
+    return arrays, tuple(None if a else x for a, x in zip(arrays, leaves))
+
+
+def _merge(arrays: tuple[bool, ...], static: tuple[Any, ...], values: Sequence[Any]) -> list:
+    it = iter(values)
+    return [next(it) if a else s for a, s in zip(arrays, static)]
+
+
+class Jit:
+    """`fun` compiled as by `eqx.filter_jit(fun, donate=donate)`, called without waiting
+    for the device. (`fun`'s own arrays are passed to each call, never donated.)"""
+
+    def __init__(self, fun: Callable, donate: Donate = "none"):
+        if donate not in ("all", "all-except-first", "warn", "none"):
+            raise ValueError(
+                f"logger.jit(donate={donate!r}): one of 'all', 'all-except-first', 'warn', "
+                "'none' (as for `eqx.filter_jit`)."
+            )
+        self.fun, self.donate = fun, donate
+        leaves, self._fun_def = jtu.tree_flatten(fun)
+        self._fun_split = _split(leaves)
+        self._fun_arrays = [x for x in leaves if eqx.is_array(x)]
+        self._compiled: dict[Any, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        jitted, arrays = self._prepare(args, kwargs)
+        if self.donate in ("all", "all-except-first"):  # as Equinox: no warning for these
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                values, out = jitted(*self._fun_arrays, *arrays)
+        else:
+            values, out = jitted(*self._fun_arrays, *arrays)
+        treedef, split = out.value
+        return jtu.tree_unflatten(treedef, _merge(*split, values))
+
+    def lower(self, *args: Any, **kwargs: Any) -> Any:
+        """The `jax.stages.Lowered` of a call with these arguments."""
+        jitted, arrays = self._prepare(args, kwargs)
+        return jitted.lower(*self._fun_arrays, *arrays)
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        split = _split(leaves)
+        key = (treedef, split)
+        try:
+            jitted = self._compiled.get(key)
+        except TypeError:  # a leaf neither an array nor hashable
+            raise TypeError(_unhashable(args, kwargs)) from None
+        if jitted is None:
+            jitted = self._compiled[key] = self._compile(treedef, split, args)
+        return jitted, [x for a, x in zip(split[0], leaves) if a]
+
+    def _compile(self, treedef: Any, split: tuple, args: tuple) -> Any:
+        fun_def, fun_split = self._fun_def, self._fun_split
+        n_fun = len(self._fun_arrays)
+
+        def call(*arrays):
+            fun = jtu.tree_unflatten(fun_def, _merge(*fun_split, arrays[:n_fun]))
+            args, kwargs = jtu.tree_unflatten(treedef, _merge(*split, arrays[n_fun:]))
+            leaves, out_def = jtu.tree_flatten(fun(*args, **kwargs))
+            out_split = _split(leaves)
+            values = [x for a, x in zip(out_split[0], leaves) if a]
+            return values, _Static((out_def, out_split))
+
+        name = getattr(self.fun, "__name__", type(self.fun).__name__)
+        call.__name__ = call.__qualname__ = name
+        n_args = sum(split[0])
+        if self.donate == "none":
+            donated = ()
+        else:
+            first = sum(eqx.is_array(x) for x in jtu.tree_leaves(args[:1]))
+            skip = first if self.donate == "all-except-first" else 0
+            donated = tuple(range(n_fun + skip, n_fun + n_args))
+        return jax.jit(call, donate_argnums=donated)
+
+
+def _unhashable(args: tuple, kwargs: dict) -> str:
+    for path, leaf in jtu.tree_flatten_with_path((args, kwargs))[0]:
+        if eqx.is_array(leaf):
+            continue
+        try:
+            hash(leaf)
+        except TypeError:
+            where = ("args" if path[0].idx == 0 else "kwargs") + jtu.keystr(path[1:])
+            break
+    else:  # (a pytree node's static data)
+        where, leaf = "", None
+    return (
+        f"logger.jit: the argument{f' at {where}' if where else ''}, a "
+        f"{type(leaf).__name__}, is not an array, so it is compiled into the step as a "
+        "constant, as `eqx.filter_jit` does; but it cannot be hashed, so the compiled step "
+        "cannot be looked up for it. Pass it as an array, or as a hashable value (a tuple "
+        "rather than a list, a frozen dataclass)."
+    )
