@@ -252,6 +252,29 @@ def test_other_leaves_are_compiled_in_as_by_filter_jit(tmp_path):
     np.testing.assert_allclose([r["value"] for r in got], [y, y, 2 * y, y], rtol=1e-6)
 
 
+def test_a_logger_jit_made_again_compiles_once(tmp_path):
+    """As `eqx.filter_jit`: a step made again for the same function (each epoch) reuses
+    what the first one compiled; each writes its own events."""
+    traces = []
+
+    def step(w, i):
+        traces.append(i)
+        eqx_logs.log("w", jnp.sum(w), step=i)
+        return w * 2
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        for epoch in range(3):
+            jitted = logger.jit(step, logger.init(), interval=2)
+            w = jitted(jnp.ones(2, jnp.float32), jnp.int32(2 * epoch))
+            w = jitted(w, jnp.int32(2 * epoch + 1))
+    assert len(traces) == 1
+    assert [(r["step"], r["value"]) for r in read_jsonl(tmp_path / "a.jsonl")] == [
+        (0, 2.0),
+        (2, 2.0),
+        (4, 2.0),
+    ]
+
+
 def test_donated_buffers_reach_the_file_with_their_values(tmp_path):
     """The logged weights are donated to the next step before the writer fetches them."""
 

@@ -10,6 +10,7 @@ returns as soon as the computation is dispatched.
 """
 
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -43,6 +44,25 @@ def _merge(arrays: tuple[bool, ...], static: tuple[Any, ...], values: Sequence[A
     return [next(it) if a else s for a, s in zip(arrays, static)]
 
 
+# (`fun`'s static part, donate) -> (the arguments' static part -> `jax.jit` of the arrays),
+# for the functions used last: equal functions share their compiled steps, as in
+# `eqx.filter_jit` (a `logger.jit` made again for each epoch compiles once).
+_COMPILED: "OrderedDict[Any, dict[Any, Any]]" = OrderedDict()
+_KEEP = 64
+
+
+def _compiled(key: Any) -> dict[Any, Any]:
+    try:
+        _COMPILED.move_to_end(key)
+    except TypeError:  # a leaf of the function neither an array nor hashable: its own
+        return {}
+    except KeyError:
+        _COMPILED[key] = {}
+        if len(_COMPILED) > _KEEP:
+            _COMPILED.popitem(last=False)
+    return _COMPILED[key]
+
+
 class Jit:
     """`fun` compiled as by `eqx.filter_jit(fun, donate=donate)`, called without waiting
     for the device. (`fun`'s own arrays are passed to each call, never donated.)"""
@@ -57,7 +77,7 @@ class Jit:
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split = _split(leaves)
         self._fun_arrays = [x for x in leaves if eqx.is_array(x)]
-        self._compiled: dict[Any, Any] = {}
+        self._compiled = _compiled((self._fun_def, self._fun_split, donate))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted, arrays = self._prepare(args, kwargs)
