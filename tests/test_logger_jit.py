@@ -110,12 +110,8 @@ def test_the_compiled_step_holds_no_callback_and_no_effect():
     assert "callback" not in text and "custom_call" not in text
 
 
-def test_writing_never_waits_for_the_device(tmp_path):
-    """A step that keeps the device busy for about a second, in `jax.jit` (which returns at
-    once; `eqx.filter_jit` waits for each call to report Equinox's runtime errors; for
-    `logger.jit`, see the next test): `logger.write` returns at once too, the writer waits
-    for the arrays (that wait is not the backend's: no stall with `stall_timeout=0.2`), and
-    the event is written."""
+def _busy_step():
+    """A step of `n` matrix products (as long as `n` says), logging the sum; its input."""
     m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
 
     def step(w, n, i):
@@ -123,7 +119,16 @@ def test_writing_never_waits_for_the_device(tmp_path):
         eqx_logs.log("w", jnp.sum(w), step=i)
         return w
 
-    w0 = jnp.ones((8, 256), jnp.float32)
+    return step, jnp.ones((8, 256), jnp.float32)
+
+
+def test_writing_never_waits_for_the_device(tmp_path):
+    """A step that keeps the device busy for about a second, in `jax.jit` (which returns at
+    once; `eqx.filter_jit` waits for each call to report Equinox's runtime errors; for
+    `logger.jit`, see the next test): `logger.write` returns at once too, the writer waits
+    for the arrays (that wait is not the backend's: no stall with `stall_timeout=0.2`), and
+    the event is written."""
+    step, w0 = _busy_step()
     spooled = jax.jit(eqx_logs.spool(step))
     logger = JsonlLogger(tmp_path / "a.jsonl", stall_timeout=0.2)
     # Compile first: a first call slowed by compilation must not pass for a second of work.
@@ -155,14 +160,7 @@ def test_the_compiled_step_returns_before_the_device_is_done(tmp_path):
     """`logger.jit` dispatches the step and returns, as `jax.jit` does (`eqx.filter_jit`
     waits for every call: measured beside it); the next step queues behind it on the
     device, and every event is written with its value."""
-    m = jax.random.normal(jax.random.key(0), (256, 256)) / 16
-
-    def step(w, n, i):
-        w = jax.lax.fori_loop(0, n, lambda _, w: jnp.tanh(w @ m), w)
-        eqx_logs.log("w", jnp.sum(w), step=i)
-        return w
-
-    w0 = jnp.ones((8, 256), jnp.float32)
+    step, w0 = _busy_step()
     waiting = eqx.filter_jit(eqx_logs.spool(step))
     jax.block_until_ready(waiting(w0, jnp.int32(1), jnp.int32(0)))
     n, took = 100, 0.0

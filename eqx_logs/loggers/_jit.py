@@ -76,7 +76,7 @@ class Jit:
         self.fun, self.donate = fun, donate
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split = _split(leaves)
-        self._fun_arrays = [x for x in leaves if eqx.is_array(x)]
+        self._fun_arrays = [x for a, x in zip(self._fun_split[0], leaves) if a]
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
