@@ -203,6 +203,40 @@ def test_on_a_gpu_the_step_computes_rather_than_branches(monkeypatch, interval):
             assert int(b[1].count["norm"]) == (1 if interval is None or i % 3 == 0 else 0)
 
 
+def test_on_a_gpu_vmap_and_grad_keep_their_rules(monkeypatch):
+    # the computing branch (`_branching.py`, the CPU made one of the platforms that compute)
+    # under `jax.vmap(spool(f))` (each lane its own run) and `jax.grad` (each event once)
+    from eqx_logs import _branching
+
+    monkeypatch.setattr(_branching, "SELECTING", ("cpu", "cuda", "rocm"))
+    calls = []
+
+    def loss(w, i):
+        g = jnp.sin(w) * 3.0
+        el.log("norm", jnp.linalg.norm(g), step=i)
+        el.log_stats("w", w, step=i)
+        jax.debug.callback(lambda: calls.append(1))
+        return jnp.sum(g**2)
+
+    ws = jnp.stack([jnp.full((2, 3), 0.5), jnp.full((2, 3), 2.0)])
+    steps = jnp.array([0, 1], jnp.int32)
+    spooled = el.spool(loss, interval=2)
+    _, lanes = jax.jit(jax.vmap(spooled))(ws, steps)
+    for k in range(2):
+        _, alone = jax.jit(spooled)(ws[k], steps[k])
+        for a, b in zip(jax.tree.leaves(lanes), jax.tree.leaves(alone)):
+            np.testing.assert_allclose(a[k], b, rtol=1e-6)
+    assert int(lanes.count["norm"][0]) == 1 and int(lanes.count["norm"][1]) == 0
+    calls.clear()
+    grad, logs = jax.jit(jax.grad(spooled, has_aux=True))(ws[0], steps[0])
+    jax.effects_barrier()
+    assert len(calls) == 1 and int(logs.count["norm"]) == 1
+    np.testing.assert_allclose(grad, jax.grad(loss)(ws[0], 0), rtol=1e-6)
+    np.testing.assert_allclose(
+        logs["norm"][0], np.linalg.norm(np.sin(0.5) * 3.0 * np.ones(6)), rtol=1e-5
+    )
+
+
 @pytest.mark.usefixtures("standard_promotion")  # optax's Adam (see conftest.py)
 def test_optax_training_loop():
     """A real optax training loop, one jitted step per iteration: the logged loss and gradient
