@@ -18,6 +18,8 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from .. import _nnx
+
 Donate = Literal["all", "all-except-first", "warn", "none"]
 
 
@@ -78,6 +80,8 @@ class Jit:
         self._fun_split = _split(leaves)
         self._fun_arrays = [x for a, x in zip(self._fun_split[0], leaves) if a]
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
+        # an NNX model's arrays change in place: read at each call (as `_spool._split` does)
+        self._mutable = _nnx.has_variables(fun)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted, arrays = self._prepare(args, kwargs)
@@ -96,6 +100,9 @@ class Jit:
         return jitted.lower(*self._fun_arrays, *arrays)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        if self._mutable:
+            leaves = jtu.tree_leaves(self.fun)
+            self._fun_arrays = [x for a, x in zip(self._fun_split[0], leaves) if a]
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         split = _split(leaves)
         key = (treedef, split)

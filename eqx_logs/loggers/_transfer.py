@@ -89,7 +89,7 @@ def _head(logs: LogDict | Packed) -> Any:
 class _Packing(eqx.Module):
     spooled: Callable
 
-    def __call__(self, *args, **kwargs):  # traced by `eqx.filter_jit`
+    def __call__(self, *args, **kwargs):  # traced by `logger.jit`'s `Jit`
         fun = self.spooled.__wrapped__
         note_compile("logger.jit", fun_key(fun), fun, args, kwargs)
         out, logs = self.spooled(*args, **kwargs)
