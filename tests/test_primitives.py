@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from helpers import assert_close
 from jax import export, lax
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 import eqx_logs as el
 
@@ -232,3 +234,59 @@ def test_export_with_a_symbolic_batch(options):
                 what = f"{order}, batch {size}: logs[{key!r}]"
                 np.testing.assert_allclose(logs[key], want[key], equal_nan=True, err_msg=what)
                 np.testing.assert_array_equal(logs.count[key], want.count[key], err_msg=what)
+
+
+# A primitive that lowers on CUDA alone: code for one kind of device, as a `pallas` kernel is.
+_cuda_only = Primitive("eqx_logs_test_cuda_only")
+_cuda_only.def_abstract_eval(lambda x: x)
+_cuda_only.def_impl(lambda x: x)  # (never run here)
+mlir.register_lowering(_cuda_only, lambda ctx, x: [x], platform="cuda")
+batching.primitive_batchers[_cuda_only] = lambda args, dims: (_cuda_only.bind(*args), dims[0])
+ad.deflinear2(_cuda_only, lambda ct, x: [_cuda_only.bind(ct)])
+
+
+def _per_platform(x):
+    """The user's `lax.platform_dependent`, logging in both branches; on CUDA, a kernel that
+    does not lower on a CPU."""
+
+    def cpu(x):
+        el.log({"branch": jnp.float32(1), "x": x})
+        return jnp.sin(x) * 2
+
+    def cuda(x):
+        el.log({"branch": jnp.float32(2), "x": x})
+        return _cuda_only.bind(x)
+
+    return lax.platform_dependent(x, cpu=cpu, cuda=cuda)
+
+
+def test_platform_dependent_lowers_the_branch_of_its_platform_alone():
+    """Rebuilt with its logs, a `lax.platform_dependent` stays one: lowered for a CPU, the CUDA
+    branch is not lowered (it would fail), under every wrapper and transformation."""
+    x = jnp.array([0.5, 1.0, 2.0], jnp.float32)
+    want = np.sin(np.asarray(x)) * 2
+    with pytest.raises(NotImplementedError, match="cuda_only"):  # the two, lowered for a CPU
+        jax.jit(lambda x: lax.switch(0, [lambda x: x, _cuda_only.bind], x))(x)
+    for spooled in (el.spool(_per_platform), jax.jit(el.spool(_per_platform))):
+        out, logs = spooled(x)
+        assert_close(out, want)
+        np.testing.assert_array_equal(logs["branch"], [1.0])  # the CPU branch's event alone
+        np.testing.assert_array_equal(logs["x"], x[None])
+        assert int(logs.count["branch"]) == 1
+    xs = jnp.stack([x, x + 1])
+    _, lanes = jax.vmap(el.spool(_per_platform))(xs)
+    for i in range(2):
+        np.testing.assert_array_equal(lanes["x"][i], xs[i][None])
+    grads, logs = jax.grad(el.spool(lambda x: jnp.sum(_per_platform(x))), has_aux=True)(x)
+    assert_close(grads, 2 * np.cos(np.asarray(x)))
+    np.testing.assert_array_equal(logs["branch"], [1.0])  # recorded once
+    events = []
+    tapped = jax.jit(el.tap(_per_platform, callback=lambda logs, steps: events.append(logs)))
+    assert_close(tapped(x), want)
+    jax.effects_barrier()
+    assert [float(e["branch"]) for e in events] == [1.0]
+    assert_close(jax.jit(el.nolog(_per_platform))(x), want)
+    exported = export.export(jax.jit(el.spool(_per_platform)))(x)
+    out, logs = export.deserialize(exported.serialize()).call(x)
+    assert_close(out, want)
+    np.testing.assert_array_equal(logs["branch"], [1.0])

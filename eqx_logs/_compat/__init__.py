@@ -52,6 +52,7 @@ from ._higher_order import (
     call_jaxpr as call_jaxpr,
     close as close,
     cond_branches as cond_branches,
+    cond_platforms as cond_platforms,
     hi_forward as hi_forward,
     hi_name as hi_name,
     linear_solve_parts as linear_solve_parts,
@@ -60,6 +61,7 @@ from ._higher_order import (
     scan_options as scan_options,
     scan_parts as scan_parts,
     shard_map_parts as shard_map_parts,
+    switch as switch,
     vary as vary,
     while_parts as while_parts,
 )

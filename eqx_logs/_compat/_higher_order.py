@@ -77,6 +77,23 @@ def cond_branches(eqn: JaxprEqn) -> tuple[Any, ...]:
     return tuple(eqn.params["branches"])
 
 
+def cond_platforms(eqn: JaxprEqn) -> tuple[tuple[str, ...] | None, ...] | None:
+    """For a cond made by `lax.platform_dependent`, the platforms of each branch (None for
+    the default one); None for a cond on a value."""
+    return eqn.params.get("branches_platforms")
+
+
+def switch(index: Any, branches: Sequence[Any], *operands: Any, platforms: Any = None) -> Any:
+    """`lax.switch(index, branches, *operands)`; with `platforms` (`cond_platforms`), the
+    switch of a `lax.platform_dependent`, which JAX lowers with the branch of the platform
+    it lowers for alone (the others may not lower there: code for one kind of device)."""
+    if platforms is None:
+        return _lax.switch(index, branches, *operands)
+    from jax._src.lax.control_flow import conditionals
+
+    return conditionals._switch_internal(index, branches, operands, branches_platforms=platforms)
+
+
 LINEAR_SOLVE = "custom_linear_solve"
 
 

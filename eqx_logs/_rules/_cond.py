@@ -1,9 +1,9 @@
-"""cond / switch: every branch threads all the states of all branches."""
+"""cond / switch (and `lax.platform_dependent`): every branch threads all the states of all
+branches."""
 
 import functools
 
 import jax.numpy as jnp
-from jax import lax
 
 from .. import _compat
 from .._interpret import max_counts
@@ -34,7 +34,10 @@ def _cond_apply(interp, eqn, invals, states):
         return run
 
     runs = [make(i, b) for i, b in enumerate(branches)]
-    outs, sub = lax.switch(index, runs, ops, interp.lanes.of_each(ops), interp.settle(states, keys))
+    lanes, sub = interp.lanes.of_each(ops), interp.settle(states, keys)
+    # (a `lax.platform_dependent` stays one: lowered, it keeps its platform's branch alone)
+    platforms = _compat.cond_platforms(eqn)
+    outs, sub = _compat.switch(index, runs, ops, lanes, sub, platforms=platforms)
     return outs, {**states, **sub}
 
 
