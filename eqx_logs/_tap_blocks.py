@@ -20,6 +20,7 @@ import numpy as np
 from jax import lax
 
 from . import _compat, _lanes
+from ._branching import skippable
 from ._buffers import _cast
 from ._deferred import Lazy, force, stop_gradient
 from ._interpret import site_list, widened
@@ -141,8 +142,8 @@ class Blocks:
         lazy = any(isinstance(x, Lazy) for x in jtu.tree_leaves(items))
         if isinstance(wanted, bool) or not lazy:
             block = write(block)  # a row not kept is overwritten by the next event
-        else:  # computed only if kept
-            block = lax.cond(wanted, lambda b: write(b, {}), lambda b: b, self.threadable(block))
+        else:  # computed only if kept (but on GPUs: `_branching.py`)
+            block = skippable(wanted, lambda b: write(b, {}), lambda b: b, self.threadable(block))
         fill = block["fill"] + (
             int(wanted) if isinstance(wanted, bool) else wanted.astype(jnp.int32)
         )

@@ -318,6 +318,35 @@ def test_interval_in_a_while_loop_with_lazy_values():
     np.testing.assert_allclose(stacked(calls, "s"), np.sin([0.0, 3, 6, 9]), rtol=1e-6)
 
 
+def test_on_a_gpu_a_lazy_row_is_written_rather_than_branched_to(monkeypatch):
+    # XLA:GPU decides a conditional on the host (`_branching.py`): there a row of lazy values
+    # is computed and written at every event, the next event overwriting a row not kept. The
+    # CPU made one of the platforms that compute: one conditional fewer, the same blocks.
+    from eqx_logs import _branching
+
+    def f(n):
+        def body(i):
+            el.log("s", jnp.sin(i * 1.0), step=i)  # computed only for the logs
+            return i + 1
+
+        return lax.while_loop(lambda i: i < n, body, 0)
+
+    runs = {}
+    for selecting in (("cuda", "rocm"), ("cpu", "cuda", "rocm")):
+        monkeypatch.setattr(_branching, "SELECTING", selecting)
+        tapped = jax.jit(el.tap(f, callback=lambda logs, steps: None, buffer=2, interval=3))
+        conditionals = tapped.lower(jnp.int32(11)).compile().as_text().count(" conditional(")
+        calls, _ = check(f, jnp.int32(11), k=2, interval=3, wrap=jax.jit)
+        runs[selecting] = (conditionals, calls)
+    (branching, want), (computing, got) = runs.values()
+    assert computing == branching - 1
+    assert len(got) == len(want) == 2
+    for (logs, steps), (want_logs, want_steps) in zip(got, want):
+        np.testing.assert_array_equal(logs["s"], want_logs["s"])
+        np.testing.assert_array_equal(steps["step"], want_steps["step"])
+    np.testing.assert_allclose(stacked(got, "s"), np.sin([0.0, 3, 6, 9]), rtol=1e-6)
+
+
 # -- cond, while, nested scans ----------------------------------------------------------------
 
 
