@@ -2,8 +2,8 @@
 
 eqx_logs branches in the programs it emits to skip work: a value computed only for logs is
 computed inside the `lax.cond` that folds its event in (or writes it into a buffered tap's
-block), so an `interval` that skips the event skips the computation (`_deferred.py`), and `log_stats` takes a careful path only where
-the quick one cannot serve. On a CPU or a TPU the device decides which branch runs. XLA:GPU
+block), so an `interval` that skips the event skips the computation (`_deferred.py`), and
+`log_stats` takes a careful path only where the quick one cannot serve. On a CPU or a TPU the device decides which branch runs. XLA:GPU
 runs a conditional by copying its predicate to the host and waiting for it (its
 `ConditionalThunk` blocks the host until the stream is done, unless conditionals are put in
 CUDA graphs, which XLA does not do by default). A `lax.cond` in a compiled training step
