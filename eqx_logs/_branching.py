@@ -3,12 +3,12 @@
 eqx_logs branches in the programs it emits to skip work: a value computed only for logs is
 computed inside the `lax.cond` that folds its event in (or writes it into a buffered tap's
 block), so an `interval` that skips the event skips the computation (`_deferred.py`), and
-`log_stats` takes a careful path only where the quick one cannot serve. On a CPU or a TPU the device decides which branch runs. XLA:GPU
-runs a conditional by copying its predicate to the host and waiting for it (its
-`ConditionalThunk` blocks the host until the stream is done, unless conditionals are put in
-CUDA graphs, which XLA does not do by default). A `lax.cond` in a compiled training step
-would make the host wait for the device at every step, and the loop could no longer
-dispatch steps ahead of the device.
+`log_stats` takes a careful path only where the quick one cannot serve. On a CPU or a TPU
+the device decides which branch runs. XLA:GPU runs a conditional by copying its predicate
+to the host and waiting for it (its `ConditionalThunk` blocks the host until the stream is
+done, unless conditionals are put in CUDA graphs, which XLA does not do by default). A
+`lax.cond` in a compiled training step would make the host wait for the device at every
+step, and the loop could no longer dispatch steps ahead of the device.
 
 So on a GPU the work is done, and nothing branches: the expensive branch is one that is also
 right where the cheap one is taken. The choice is made when the program is lowered for its

@@ -12,6 +12,7 @@ returns as soon as the computation is dispatched.
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import compress
 from typing import Any, Literal
 
 import equinox as eqx
@@ -35,15 +36,27 @@ class _Static:
 jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
 
 
-def _split(leaves: Sequence[Any]) -> tuple[tuple[bool, ...], tuple[Any, ...]]:
-    """Which leaves are arrays, and the others (None in the arrays' places)."""
-    arrays = tuple(map(eqx.is_array, leaves))
-    return arrays, tuple(None if a else x for a, x in zip(arrays, leaves))
+def _split(leaves: Sequence[Any]) -> tuple[tuple[tuple[bool, ...], tuple[Any, ...]], list]:
+    """Which leaves are arrays and the others' values (what a compiled step is looked up
+    by), and the arrays."""
+    types = tuple(map(type, leaves))
+    try:  # (whether a leaf is an array depends on its type alone: worked out once per types)
+        arrays, others = _ARRAYS[types]
+    except KeyError:
+        arrays = tuple(map(eqx.is_array, leaves))
+        others = tuple(not a for a in arrays)
+        if len(_ARRAYS) > 1024:  # (types that come and go)
+            _ARRAYS.clear()
+        _ARRAYS[types] = arrays, others
+    return (arrays, tuple(compress(leaves, others))), list(compress(leaves, arrays))
 
 
-def _merge(arrays: tuple[bool, ...], static: tuple[Any, ...], values: Sequence[Any]) -> list:
-    it = iter(values)
-    return [next(it) if a else s for a, s in zip(arrays, static)]
+_ARRAYS: dict[tuple[type, ...], tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+
+
+def _merge(arrays: tuple[bool, ...], others: tuple[Any, ...], values: Sequence[Any]) -> list:
+    values, others = iter(values), iter(others)
+    return [next(values) if a else next(others) for a in arrays]
 
 
 # (`fun`'s static part, donate) -> (the arguments' static part -> `jax.jit` of the arrays),
@@ -77,8 +90,7 @@ class Jit:
             )
         self.fun, self.donate = fun, donate
         leaves, self._fun_def = jtu.tree_flatten(fun)
-        self._fun_split = _split(leaves)
-        self._fun_arrays = [x for a, x in zip(self._fun_split[0], leaves) if a]
+        self._fun_split, self._fun_arrays = _split(leaves)
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
         # an NNX model's arrays change in place: read at each call (as `_spool._split` does)
         self._mutable = _nnx.has_variables(fun)
@@ -101,10 +113,9 @@ class Jit:
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
         if self._mutable:
-            leaves = jtu.tree_leaves(self.fun)
-            self._fun_arrays = [x for a, x in zip(self._fun_split[0], leaves) if a]
+            self._fun_arrays = list(compress(jtu.tree_leaves(self.fun), self._fun_split[0]))
         leaves, treedef = jtu.tree_flatten((args, kwargs))
-        split = _split(leaves)
+        split, arrays = _split(leaves)
         key = (treedef, split)
         try:
             jitted = self._compiled.get(key)
@@ -112,7 +123,7 @@ class Jit:
             raise TypeError(_unhashable(args, kwargs)) from None
         if jitted is None:
             jitted = self._compiled[key] = self._compile(treedef, split, args)
-        return jitted, [x for a, x in zip(split[0], leaves) if a]
+        return jitted, arrays
 
     def _compile(self, treedef: Any, split: tuple, args: tuple) -> Any:
         fun_def, fun_split = self._fun_def, self._fun_split
@@ -122,8 +133,7 @@ class Jit:
             fun = jtu.tree_unflatten(fun_def, _merge(*fun_split, arrays[:n_fun]))
             args, kwargs = jtu.tree_unflatten(treedef, _merge(*split, arrays[n_fun:]))
             leaves, out_def = jtu.tree_flatten(fun(*args, **kwargs))
-            out_split = _split(leaves)
-            values = [x for a, x in zip(out_split[0], leaves) if a]
+            out_split, values = _split(leaves)
             return values, _Static((out_def, out_split))
 
         name = getattr(self.fun, "__name__", type(self.fun).__name__)
