@@ -425,6 +425,20 @@ def test_a_multilogger_writes_each_backend(tmp_path):
     assert_rows(rows(tmp_path / "a.jsonl"), reference())
 
 
+def test_a_backend_that_hands_logs_on_its_own_way_gets_each_step(tmp_path):
+    # a backend overriding `_submit_logs` is given every step's logs there, packed
+    class Counting(JsonlLogger):
+        def _submit_logs(self, state, logs, size=None):
+            submitted.append(logs)
+            super()._submit_logs(state, logs, size)
+
+    submitted = []
+    with Counting(tmp_path / "log.jsonl") as logger:
+        loop(logger.jit(train_step, logger.init(), interval=INTERVAL))
+    assert len(submitted) == STEPS
+    assert_rows(rows(tmp_path / "log.jsonl"), reference())
+
+
 def test_threads_writing_concurrently_keep_each_ones_order(tmp_path):
     """Two training loops in two threads, one logger, one run each: every event is written,
     each run's in its order."""

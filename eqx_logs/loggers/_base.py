@@ -338,7 +338,10 @@ class AbstractLogger(eqx.Module):
         self._writer.check()
 
     def _feed(self, state: LoggerState) -> Callable[[Packed], None]:
-        """What hands the packed logs of each `logger.jit` call to the writer thread."""
+        """What hands the packed logs of each `logger.jit` call to the writer thread (through
+        `_submit_logs`, where a backend overrides it)."""
+        if type(self)._submit_logs is not _plumbing._submit_logs:
+            return functools.partial(_write, self, state=state)
         return _plumbing.Feed(self, state)
 
     _spool_host = _plumbing._spool_host
