@@ -224,6 +224,41 @@ def test_arguments_are_donated_as_by_filter_jit(tmp_path, donate):
     assert [r["value"] for r in read_jsonl(tmp_path / "a.jsonl")] == [4.0, 8.0, 16.0]
 
 
+def test_keyword_arguments_are_bound_as_by_filter_jit(tmp_path):
+    """Arguments are bound to the function's signature, as `eqx.filter_jit` binds them: a
+    call by keywords compiles what a positional one did, and `donate="all-except-first"`
+    keeps the first parameter's buffers however it is passed."""
+    traces = []
+
+    def step(w, v, i):
+        traces.append(i)
+        eqx_logs.log("w", jnp.sum(w), step=i)
+        return w * 2, v + 1
+
+    def deleted(jitted):
+        gone = []
+        for call in ("positional", "keywords", "mixed"):
+            w, v, i = jnp.ones(2, jnp.float32), jnp.zeros(2, jnp.float32), jnp.int32(len(gone))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (donation unusable on some backends)
+                if call == "positional":
+                    out = jitted(w, v, i)
+                elif call == "keywords":
+                    out = jitted(i=i, v=v, w=w)
+                else:
+                    out = jitted(w, i=i, v=v)
+            assert float(out[0][0]) == 2.0 and float(out[1][0]) == 1.0
+            gone.append((w.is_deleted(), v.is_deleted()))
+        return gone
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        got = deleted(logger.jit(step, logger.init(), donate="all-except-first"))
+    assert len(traces) == 1
+    assert got == deleted(eqx.filter_jit(step, donate="all-except-first"))
+    assert got[1] == (False, True)  # (this CPU client takes donations)
+    assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 1, 2]
+
+
 def test_other_leaves_are_compiled_in_as_by_filter_jit(tmp_path):
     """A leaf that is not an array (a Python number, a function in a model, a string) is a
     constant of the compiled step, a new value compiling it anew, as in `eqx.filter_jit`;

@@ -9,6 +9,7 @@ leaf compiled in, a new one compiling anew) and calls a `jax.jit` of the arrays 
 returns as soon as the computation is dispatched.
 """
 
+import inspect
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -94,6 +95,7 @@ class Jit:
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
         # an NNX model's arrays change in place: read at each call (as `_spool._split` does)
         self._mutable = _nnx.has_variables(fun)
+        self._signature: inspect.Signature | Literal[False] | None = None  # (when first needed)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted, arrays = self._prepare(args, kwargs)
@@ -112,6 +114,8 @@ class Jit:
         return jitted.lower(*self._fun_arrays, *arrays)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        if kwargs:  # bound as by `eqx.filter_jit`: `f(x=1)` is `f(1)`, `donate`'s first is
+            args, kwargs = self._bind(args, kwargs)  # the first parameter's
         if self._mutable:
             self._fun_arrays = list(compress(jtu.tree_leaves(self.fun), self._fun_split[0]))
         leaves, treedef = jtu.tree_flatten((args, kwargs))
@@ -124,6 +128,17 @@ class Jit:
         if jitted is None:
             jitted = self._compiled[key] = self._compile(treedef, split, args)
         return jitted, arrays
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(self.fun)
+            except (TypeError, ValueError):  # (a callable without one: as given)
+                self._signature = False
+        if self._signature is False:
+            return args, kwargs
+        bound = self._signature.bind(*args, **kwargs)
+        return bound.args, bound.kwargs
 
     def _compile(self, treedef: Any, split: tuple, args: tuple) -> Any:
         fun_def, fun_split = self._fun_def, self._fun_split

@@ -89,6 +89,10 @@ def _head(logs: LogDict | Packed) -> Any:
 class _Packing(eqx.Module):
     spooled: Callable
 
+    @property
+    def __wrapped__(self):  # (its signature is the function's: `inspect.signature`)
+        return self.spooled.__wrapped__
+
     def __call__(self, *args, **kwargs):  # traced by `logger.jit`'s `Jit`
         fun = self.spooled.__wrapped__
         note_compile("logger.jit", fun_key(fun), fun, args, kwargs)
