@@ -249,9 +249,9 @@ class AbstractLogger(eqx.Module):
         does: the next step queues behind it on the device. (`eqx.filter_jit` waits for the
         device at every call, so that an `eqx.error_if` raises there with Equinox's message;
         here such an error is JAX's runtime error, which holds the message, raised by a
-        later call or where the outputs are read.) As in `eqx.filter_jit`, the arrays among
-        the arguments are traced and every other leaf is compiled in (a new value compiles
-        the step anew). Its logs come out as arrays and are handed, as they are, to the
+        later call or where the outputs are read.) As in `eqx.filter_jit`, the arguments
+        are bound to `fun`'s signature, the arrays among them are traced and every other
+        leaf is compiled in (a new value compiles the step anew). Its logs come out as arrays and are handed, as they are, to the
         logger's writer thread, which waits for the device, fetches the keys that hold
         events (the steps an `interval` skips hold none, and cost a transfer of their counts
         alone) and writes them, in order. The training loop never waits for the device
