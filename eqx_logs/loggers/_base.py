@@ -251,15 +251,15 @@ class AbstractLogger(eqx.Module):
         here such an error is JAX's runtime error, which holds the message, raised by a
         later call or where the outputs are read.) As in `eqx.filter_jit`, the arguments
         are bound to `fun`'s signature, the arrays among them are traced and every other
-        leaf is compiled in (a new value compiles the step anew). Its logs come out as arrays and are handed, as they are, to the
-        logger's writer thread, which waits for the device, fetches the keys that hold
-        events (the steps an `interval` skips hold none, and cost a transfer of their counts
-        alone) and writes them, in order. The training loop never waits for the device
-        because of logging. (Logging inside the step is as for [`eqx_logs.spool`][]: same
-        options; `donate` as for `eqx.filter_jit`, but for `fun`'s own arrays, a model's,
-        which are never donated.) A backend error, a value the backend cannot store and,
-        with `first_nonfinite`, a [`eqx_logs.loggers.NonfiniteWarning`][] come from the next
-        call into the logger.
+        leaf is compiled in (a new value compiles the step anew). Its logs come out as
+        arrays and are handed, as they are, to the logger's writer thread, which waits for
+        the device, fetches the keys that hold events (the steps an `interval` skips hold
+        none, and cost a transfer of their counts alone) and writes them, in order. The
+        training loop never waits for the device because of logging. (Logging inside the
+        step is as for [`eqx_logs.spool`][]: same options; `donate` as for
+        `eqx.filter_jit`, but for `fun`'s own arrays, a model's, which are never donated.)
+        A backend error, a value the backend cannot store and, with `first_nonfinite`, a
+        [`eqx_logs.loggers.NonfiniteWarning`][] come from the next call into the logger.
 
         In that loop `logger.jit` writes what `eqx.filter_jit(logger.spool(...))` and
         `eqx.filter_jit(logger.tap(...))` write, without the host callback those put in

@@ -114,8 +114,8 @@ class Jit:
         return jitted.lower(*self._fun_arrays, *arrays)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
-        if kwargs:  # bound as by `eqx.filter_jit`: `f(x=1)` is `f(1)`, `donate`'s first is
-            args, kwargs = self._bind(args, kwargs)  # the first parameter's
+        if kwargs:  # as `eqx.filter_jit`: `f(x=1)` is `f(1)`; `donate`'s first: `f`'s first
+            args, kwargs = self._bind(args, kwargs)
         if self._mutable:
             self._fun_arrays = list(compress(jtu.tree_leaves(self.fun), self._fun_split[0]))
         leaves, treedef = jtu.tree_flatten((args, kwargs))
