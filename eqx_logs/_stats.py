@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
-from . import _branching, _compat
+from . import _branching, _compat, _lanes
 from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
 
 
@@ -33,7 +33,12 @@ STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
 def _compute(
-    x: Array, mask: Array | None = None, *, stats: tuple[str, ...], lanes: int | None = None
+    x: Array,
+    mask: Array | None = None,
+    *,
+    stats: tuple[str, ...],
+    lanes: int | None = None,
+    nbatch: int = 0,
 ) -> list[Array]:
     """The statistics `stats` of `x`, in at least float32: over all of it, or, with `lanes`,
     over all but its first `lanes` axes (independent runs: a `vmap` outside the spool), one
@@ -57,6 +62,7 @@ def _compute(
       where a conditional makes the host wait for the device, the careful path runs every
       time, each lane keeping the quick path's values where they serve (`_branching.py`).
     """
+    del nbatch  # (`lane_masked`'s)
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
@@ -175,7 +181,9 @@ def path_name(path: Sequence[Any]) -> str:
 # An optional second operand masks the elements (`masked`): a cond whose predicate a vmap
 # batches runs its branches for every lane (`_masking.py`), and the statistics are over the
 # lanes that take the branch only, as each event is. It is a mask of the array's leading
-# axes; batching keeps it aligned with them.
+# axes; batching keeps it aligned with them. A vmap inside the spool moves its batch axis in
+# front, and `nbatch` counts those axes: an Equinox loop whose lanes leave it one by one
+# masks them (`lane_masked`), as it masks their events.
 #
 # No derivative: the statistics are logged, not differentiated. Lowered behind an
 # optimization barrier: XLA would otherwise share the statistics' arithmetic with the model's
@@ -185,7 +193,7 @@ stats_p = _compat.Primitive("eqx_logs.stats")
 stats_p.multiple_results = True
 stats_p.def_impl(_compute)
 stats_p.def_abstract_eval(
-    lambda aval, *mask, stats, lanes: [
+    lambda aval, *mask, stats, lanes, nbatch: [
         _compat.ShapedArray(
             aval.shape[: lanes or 0],
             jnp.int32 if name == "nonfinite" else _float_dtype(aval.dtype),
@@ -206,14 +214,16 @@ def _mask_at(mask: Array, mask_dim: int | None, dim: int) -> Array:
     return jnp.moveaxis(mask, 0, dim)
 
 
-def _batch(args, dims, *, stats, lanes):
+def _batch(args, dims, *, stats, lanes, nbatch):
     (x, *mask), (d, *mask_dims) = args, dims
     if lanes is None:  # a vmap inside the spool: over the batch too
         if d is None:  # the same array in every lane: its statistics, if any lane keeps it
             mask = [jnp.any(m, axis=md) for m, md in zip(mask, mask_dims)]
-        else:
-            mask = [_mask_at(m, md, d) for m, md in zip(mask, mask_dims)]
-        return stats_p.bind(x, *mask, stats=stats, lanes=None), [None] * len(stats)
+        else:  # (in front: the statistics are over every element, in any order)
+            x, nbatch = jnp.moveaxis(x, d, 0), nbatch + 1
+            mask = [_mask_at(m, md, 0) for m, md in zip(mask, mask_dims)]
+        out = stats_p.bind(x, *mask, stats=stats, lanes=None, nbatch=nbatch)
+        return out, [None] * len(stats)
     # a vmap outside it: one more lane, in front
     if d is None:  # only the mask is batched: each lane keeps its own elements of `x`
         (m,), (md,) = mask, mask_dims
@@ -221,13 +231,13 @@ def _batch(args, dims, *, stats, lanes):
     else:
         x = jnp.moveaxis(x, d, 0)
     mask = [_mask_at(m, md, 0) for m, md in zip(mask, mask_dims)]
-    return stats_p.bind(x, *mask, stats=stats, lanes=lanes + 1), [0] * len(stats)
+    return stats_p.bind(x, *mask, stats=stats, lanes=lanes + 1, nbatch=nbatch), [0] * len(stats)
 
 
 _compat.def_batching(stats_p, _batch)
 _compat.def_lowering(
     stats_p,
-    lambda x, *mask, stats, lanes: _compute(
+    lambda x, *mask, stats, lanes, nbatch: _compute(
         lax.optimization_barrier(x), *mask, stats=stats, lanes=lanes
     ),
 )
@@ -255,10 +265,24 @@ def masked(eqn: _compat.JaxprEqn, invals: Sequence[Any], mask: Array) -> list[Ar
     return stats_p.bind(x, mask, **eqn.params)
 
 
+def lane_masked(eqn: _compat.JaxprEqn, invals: Sequence[Any], lane: Array) -> list[Array]:
+    """Bind `eqn`, a statistics equation of a `vmap` inside the spool, on `invals` with its
+    elements masked by `lane` too: a lane mask (outer lanes first, `_lanes.py`), the lanes
+    still in the Equinox loop around it (the others run its body only to be discarded)."""
+    x, *old = invals
+    nbatch = eqn.params["nbatch"]
+    mask = _lanes.fit(lane, jnp.shape(x)[:nbatch])
+    for m in old:  # (a batched cond's: of the leading axes, some of them of size 1)
+        m = jnp.reshape(m, jnp.shape(m) + (1,) * (nbatch - jnp.ndim(m)))
+        mask = jnp.logical_and(m, mask)
+    return stats_p.bind(x, mask, **eqn.params)
+
+
 def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
     """`{name: statistic of x}` for every name in `stats`, over all of `x` (and every lane
     of a vmap inside the spool)."""
-    return dict(zip(stats, stats_p.bind(jnp.asarray(x), stats=stats, lanes=None)))
+    out = stats_p.bind(jnp.asarray(x), stats=stats, lanes=None, nbatch=0)
+    return dict(zip(stats, out))
 
 
 def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...], site: str) -> dict[str, Array]:

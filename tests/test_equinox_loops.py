@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optimistix as optx
 import pytest
+from jax import lax
 
 import eqx_logs as el
 
@@ -86,6 +87,47 @@ def test_equinox_while_loop_interval(kind):
     np.testing.assert_array_equal(logs["i"], [1, 3])
     _, logs = el.spool(jax.vmap(_loop(kind)), reduce="count", interval=2)(jnp.array([2, 5]))
     np.testing.assert_array_equal(logs["i"], [1, 3])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_statistics_under_a_vmap_inside_are_over_the_lanes_still_running(kind):
+    """`log_stats` in an Equinox loop under `spool(vmap(f))`: the body runs for lanes that
+    are done, and each statistic is over the lanes still running (and, in a cond on a batched
+    predicate, over those that take its branch: an event of each such lane), computed here
+    in numpy."""
+    ns = np.array([1, 3, 2])
+    x0 = np.array([[5.0, -1.0], [0.5, 2.0], [1.0, 1.5]], np.float32)
+    stats = ("mean", "std", "absmax")
+
+    def f(n, x0):
+        def body(c):
+            i, x = c
+            el.log_stats("x", x, stats=stats)
+            lax.cond(x[0] > 1.5, lambda: el.log_stats("big", x, stats=stats), lambda: None)
+            return i + 1, x * 2
+
+        return eqxi.while_loop(lambda c: c[0] < n, body, (0, x0), max_steps=8, kind=kind)[1]
+
+    def running(k, big=False):  # the lanes that run iteration k (and take the branch)
+        x = {lane: x0[lane] * 2.0**k for lane in range(3) if k < ns[lane]}
+        return {lane: v for lane, v in x.items() if not big or v[0] > 1.5}
+
+    def want(xs):
+        x = np.concatenate(list(xs.values())).astype(np.float64)
+        return {"mean": x.mean(), "std": x.std(), "absmax": np.abs(x).max()}
+
+    spooled = el.spool(jax.vmap(f), reduce=el.Stack(capacity=8))
+    for fn in (spooled, jax.jit(spooled)):
+        _, logs = fn(jnp.asarray(ns), jnp.asarray(x0))
+        assert int(logs.count["x/mean"]) == 3  # an event per iteration
+        for k in range(3):
+            for name, value in want(running(k)).items():
+                np.testing.assert_allclose(logs[f"x/{name}"][k], value, rtol=1e-5)
+        for lane in range(3):  # lane 0 at iteration 0, lane 1 at 2, lane 2 at 1
+            ks = [k for k in range(3) if lane in running(k, big=True)]
+            assert len(ks) == 1 and int(logs.count["big/mean"][lane]) == 1
+            for name, value in want(running(ks[0], big=True)).items():
+                np.testing.assert_allclose(logs[f"big/{name}"][0, lane], value, rtol=1e-5)
 
 
 def _tap_events(fun, *args):
@@ -161,6 +203,39 @@ def test_diffrax_vmap(adjoint):
     _, inner = el.spool(jax.vmap(f), reduce="mean")(ks)
     for key in ("y", "t"):
         np.testing.assert_allclose(outer[key], inner[key], rtol=1e-5)
+
+
+def test_diffrax_statistics_under_a_vmap_inside_leave_out_the_lanes_that_are_done():
+    """`log_stats` in a vector field under `spool(vmap(solve))`: once the slow-decaying lane
+    (|y| >= 4.8 throughout) has finished, its frozen state no longer enters the statistics,
+    so the remaining evaluations' absmax is the fast lane's alone (|y| <= 1); so is that of
+    a first stage only the fast lane retries (diffrax's `unvmap_any`)."""
+
+    def f(k, y0):
+        def vector_field(t, y, args):
+            el.log_stats("y", y, stats=("absmax",))
+            return -k * y
+
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vector_field),
+            diffrax.Tsit5(),
+            t0=0.0,
+            t1=3.0,
+            dt0=0.1,
+            y0=y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5),
+            max_steps=256,
+        )
+        return sol.stats["num_steps"]
+
+    ks, y0 = jnp.array([1.0, 6.0]), jnp.array([[100.0, 50.0], [1.0, -0.5]])
+    steps, logs = el.spool(jax.vmap(f), reduce=el.Stack(capacity=1024))(ks, y0)
+    absmax = np.asarray(logs["y/absmax"][: int(logs.count["y/absmax"])])
+    alone = absmax <= 1.01  # the fast lane's alone (or its retried first stage)
+    assert np.all(alone | (absmax >= 4.8))
+    last = int(np.flatnonzero(~alone)[-1]) + 1  # the slow lane's last evaluation
+    assert np.all(alone[last:]) and len(absmax) - last >= 6 * (int(steps[1]) - int(steps[0]))
+    assert steps[1] > steps[0]  # (Tsit5: 6 evaluations a step)
 
 
 def test_diffrax_like_shared_first_stage():

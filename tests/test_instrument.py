@@ -1211,7 +1211,7 @@ def test_masked_statistics_batching_keeps_the_mask_with_its_axes():
 
     def bind(x, mask, lanes):
         return jnp.stack(
-            [s.astype(jnp.float32) for s in stats_p.bind(x, mask, stats=ALL, lanes=lanes)]
+            [s.astype(jnp.float32) for s in stats_p.bind(x, mask, stats=ALL, lanes=lanes, nbatch=0)]
         )
 
     def want(x, mask=None):  # the statistics of the kept elements; of none: 0

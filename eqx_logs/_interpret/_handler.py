@@ -11,9 +11,11 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
+
 from .. import _compat
 from .._methods import method
-from .._stats import per_lane
+from .._stats import lane_masked, per_lane
 
 
 class Handler:
@@ -51,7 +53,11 @@ class Handler:
         """The outputs of a statistics equation (`log_stats`, `instrument`; see
         `_stats.stats_p`). What consumes the logs (spool, tap) makes them per lane under a
         `vmap` around it; what re-evaluates a function inside them (masking, plant) binds
-        them otherwise."""
+        them otherwise. Lanes of a `vmap` inside that an Equinox loop runs only to discard
+        are masked (`lane_masked`), as their events are."""
+        lane = self.interp.lanes.mask()
+        if lane is not None and jnp.ndim(lane):
+            return lane_masked(per_lane(eqn), invals, lane)
         return _compat.bind_eqn(per_lane(eqn), invals)
 
     # -- states -----------------------------------------------------------------------------
