@@ -125,6 +125,8 @@ class _Plant(Spool):
                 f"{_site_list(info.sites)}), but the planted value has {len(leaves)}."
             )
         count = states[key]["count"]  # events before this one (its log comes after)
+        mesh = self.interp.manual.local_axes(info)  # in a shard_map: this device's block,
+        count = count.reshape(count.shape[mesh:])  # its mesh axes (of size 1) first
         return [self._row(key, v, x, count, nbatch) for v, x in zip(leaves, xs)]
 
     def _row(self, key: str, v: Any, x: Any, count: Any, nbatch: int) -> Any:
@@ -150,6 +152,16 @@ class _Plant(Spool):
         v = v.astype(x.dtype)
         if _known(count) and np.all(count == np.ravel(count)[:1]):
             return v[min(int(np.ravel(count)[0]), v.shape[0] - 1)]
+
+        invariant = [a for a in self.interp.manual.vary if a not in _compat.varying_axes(x)]
+        if invariant:
+            raise ValueError(
+                f"eqx_logs.plant: {key!r} is sown inside a shard_map (at {sites}) as a value "
+                f"that does not vary over the mesh axes {invariant}, and one row per event "
+                "would make it vary: each device takes the row of its own events. Plant one "
+                "value for every event, or sow a value that varies over those axes (the "
+                "device's own data)."
+            )
 
         def take(rows, i):
             i = jnp.minimum(i, rows.shape[0] - 1)  # (rows past a while loop's end: unused)

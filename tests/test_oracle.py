@@ -1575,8 +1575,9 @@ def plant_cases(draw):
     """`(root, x0, z0, planted, transform)`: a program that sows, values to plant for some
     of its sown keys (of the sown shape, or one row per event: as many rows as the static
     bound, or one more), and the transform to check ("plant": plant(f) alone; "vmap": with
-    a batch of `x`). A library bug is left out: rows inside a ShardMap (upper-case keys;
-    `test_plant_rows_inside_a_shard_map`)."""
+    a batch of `x`). Rows inside a ShardMap are left out (upper-case keys): its values do
+    not vary over the mesh, where planting rows is an error
+    (`test_plant_rows_inside_a_shard_map`)."""
     root = draw(programs(shard_map=True, extras=EXTRAS))
     sown = {k: n for k, n in bounds(root).items() if k.lower() in ("h", "g")}
     assume(sown)
@@ -1722,26 +1723,25 @@ def test_grad_keeps_loop_invariant_logs_in_the_loop(fn, want):
 # ----------------------------------------------------------------------------------------
 
 
-def _sown_in_shard_map(x):
+def _sown_in_shard_map(x, spec=P()):
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
     return jax.shard_map(
-        lambda x: eqx_logs.sow("h", 2 * x), mesh=mesh, in_specs=P(), out_specs=P()
+        lambda x: eqx_logs.sow("h", 2 * x), mesh=mesh, in_specs=spec, out_specs=spec
     )(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="eqx_logs bug: plant's one-row-per-event form inside a shard_map broadcasts the "
-    "per-device event count (shape (1,)) to the lane shape () in `_plant._Plant._row`; "
-    "once fixed, remove this marker and let `plant_cases` plant rows inside ShardMaps",
-)
 def test_plant_rows_inside_a_shard_map():
-    """A value sown inside a shard_map, planted with one row per event (found by
-    `test_plant_matches_oracle`); the same value for every event works."""
+    """A value sown inside a shard_map, planted (found by `test_plant_matches_oracle`): the
+    same value for every event; one row per event, each device taking the row of its own
+    events, for a value that varies over the mesh; for one that does not (it would vary),
+    an error naming the key."""
     x = jnp.float32(1.0)
     assert_close(eqx_logs.plant(_sown_in_shard_map, {"h": jnp.float32(5.0)})(x), 5.0)
-    assert_close(eqx_logs.plant(_sown_in_shard_map, {"h": jnp.array([5.0])})(x), 5.0)
+    rows = {"h": jnp.array([[5.0], [6.0]])}  # (events, the device's block)
+    got = eqx_logs.plant(lambda x: _sown_in_shard_map(x, P("dev")), rows)(jnp.ones(1))
+    assert_close(got, [5.0])
+    with pytest.raises(ValueError, match=r"plant: 'h' is sown inside a shard_map .* vary"):
+        eqx_logs.plant(_sown_in_shard_map, {"h": jnp.array([5.0])})(x)
 
 
 def _sown_in_no_trip(x):

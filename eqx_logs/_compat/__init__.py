@@ -63,6 +63,7 @@ from ._higher_order import (
     shard_map_parts as shard_map_parts,
     switch as switch,
     vary as vary,
+    varying_axes as varying_axes,
     while_parts as while_parts,
 )
 from ._hoisting import (

@@ -43,11 +43,16 @@ def shard_map_parts(eqn: JaxprEqn) -> tuple[Any, Any, tuple, tuple, tuple[str, .
     return p["jaxpr"], mesh, tuple(p["in_specs"]), tuple(p["out_specs"]), axes, check
 
 
+def varying_axes(x: Any) -> frozenset[str]:
+    """The manual mesh axes over which `x` varies (in a `shard_map` with `check_vma`)."""
+    return frozenset(_core.typeof(x).mat.varying)
+
+
 def vary(x: Any, axes: tuple[str, ...]) -> Any:
     """`x` varying over the manual mesh `axes` (in a `shard_map` with `check_vma`), as a value
     computed from a device's own data is; a constant or a `psum` is not. States a loop carries
     there keep one type however the events they take in vary."""
-    varying = _core.typeof(x).mat.varying
+    varying = varying_axes(x)
     missing = tuple(a for a in axes if a not in varying)
     return _lax.pcast(x, missing, to="varying") if missing else x
 
