@@ -27,6 +27,9 @@ Forms:
 - `filter_jit(logger.spool)`, `filter_jit(logger.tap)`: the logger's wrappers inside the
   user's jit (a host callback in every step).
 
+Then the host's side of a call alone: a step with no device work to speak of, by
+`logger.jit` and by a `jax.jit` of the arrays split by hand, in microseconds per call.
+
 Every form's file is read back and checked: steps 0, 100, 200, ... with the loss the
 `habit` form computed. With `--memory`, the resident memory of a 10,000-step `logger.jit`
 loop is sampled every 1,000 steps (it must stay flat).
@@ -241,6 +244,68 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
     return ratios
 
 
+def dispatch(repeats: int, calls: int = 2000) -> None:
+    """The host's side of a call: a step that does next to nothing on the device (the small
+    MLP's model and adam state in and out, three scalar metrics), so the time per call is
+    Python and dispatch. `logger.jit` against a `jax.jit` of the arrays split by hand."""
+    model, opt_state, x, y, _, _ = make(*SIZES["small MLP"])
+
+    def step(model, opt_state, x, y, i, log=True):
+        metrics = {"loss": jnp.sum(x), "grad_norm": jnp.sum(y), "scale": jnp.float32(1.0)}
+        if log:
+            eqx_logs.log(metrics, step=i)
+        return model, opt_state, metrics["loss"]
+
+    arrays, static = eqx.partition((model, opt_state), eqx.is_array)
+
+    @jax.jit
+    def by_hand(arrays, x, y, i):
+        m, o, loss = step(*eqx.combine(arrays, static), x, y, i, log=False)
+        return eqx.filter((m, o), eqx.is_array), loss
+
+    steps = [jnp.int32(i) for i in range(calls)]
+
+    def run_by_hand():
+        state = arrays
+        for i in steps:
+            state, _ = by_hand(state, x, y, i)
+        jax.block_until_ready(state)
+
+    def run_logger(fn):
+        def go():
+            m, o = model, opt_state
+            for i in steps:
+                m, o, _ = fn(m, o, x, y, i)
+            jax.block_until_ready(m)
+
+        return go
+
+    with JsonlLogger(os.path.join(tempfile.mkdtemp(), "dispatch.jsonl")) as logger:
+        runs = {
+            "jax.jit, split by hand": run_by_hand,
+            "logger.jit, nothing logged": run_logger(
+                logger.jit(lambda *a: step(*a, log=False), logger.init())
+            ),
+            "logger.jit, interval=100": run_logger(
+                logger.jit(step, logger.init(), interval=INTERVAL)
+            ),
+        }
+        for fn in runs.values():
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for _ in range(repeats):
+            for k, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                times[k].append((time.perf_counter() - start) / calls * 1e6)
+    print(
+        f"\nper call, a step with no device work (the small MLP's state in and out; {calls} calls)"
+    )
+    base = statistics.median(times["jax.jit, split by hand"])
+    for k, t in times.items():
+        print(f"  {k:28s} {statistics.median(t):6.1f} us  (+{statistics.median(t) - base:.1f})")
+
+
 def memory(width: int, depth: int) -> None:
     tmp = tempfile.mkdtemp()
     model, opt_state, x, y, step, _ = make(width, depth)
@@ -272,6 +337,7 @@ def main() -> int:
     )
     for name, (width, depth) in SIZES.items():
         measure(name, width, depth, repeats)
+    dispatch(repeats)
     if args.memory:
         memory(*SIZES["small MLP"])
     return 0
