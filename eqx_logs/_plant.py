@@ -125,8 +125,8 @@ class _Plant(Spool):
                 f"{_site_list(info.sites)}), but the planted value has {len(leaves)}."
             )
         count = states[key]["count"]  # events before this one (its log comes after)
-        mesh = self.interp.manual.local_axes(info)  # in a shard_map: this device's block,
-        count = count.reshape(count.shape[mesh:])  # its mesh axes (of size 1) first
+        if mesh := self.interp.manual.local_axes(info):  # in a shard_map: the device's block,
+            count = count.reshape(count.shape[mesh:])  # its mesh axes (of size 1) first
         return [self._row(key, v, x, count, nbatch) for v, x in zip(leaves, xs)]
 
     def _row(self, key: str, v: Any, x: Any, count: Any, nbatch: int) -> Any:
