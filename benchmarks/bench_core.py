@@ -424,12 +424,15 @@ def bench_cheap_calls(summary: Summary, repeats: int, calls: int) -> None:
     free = jax.jit(make_tiny())
     spooled = jax.jit(eqx_logs.spool(make_tiny(log=True)))
     by_hand = jax.jit(lambda x: (make_tiny()(x), {"x": x}))  # the value returned by hand
+    # and with its count, as a LogDict holds it (each output is a buffer of its own per call)
+    counted = jax.jit(lambda x: (make_tiny()(x), {"x": x[None]}, {"x": jnp.int32(1)}))
     _, logs = spooled(x)
     np.testing.assert_array_equal(logs["x"], x[None])  # the same work
     variants = {
         "jit(f)": dispatch_loop(free, x, calls),
         "jit(spool(f))": dispatch_loop(spooled, x, calls),
         "jit(f) returning the value": dispatch_loop(by_hand, x, calls),
+        "jit(f) returning value, count": dispatch_loop(counted, x, calls),
     }
     times = interleaved(variants, repeats)
     per_call = {k: [t / calls for t in v] for k, v in times.items()}
@@ -445,6 +448,8 @@ def bench_cheap_calls(summary: Summary, repeats: int, calls: int) -> None:
     )
     hand = paired_ratio(per_call["jit(f) returning the value"], per_call["jit(f)"])
     summary.add("context: jit(f) returning the value by hand / jit(f)", f"{hand:.2f}x", "-", None)
+    both = paired_ratio(per_call["jit(f) returning value, count"], per_call["jit(f)"])
+    summary.add("context: ... the value and its count by hand / jit(f)", f"{both:.2f}x", "-", None)
     bench_small_solve(summary, repeats, calls)
     leaves, treedef = jax.tree.flatten(logs)
     n = 20000
