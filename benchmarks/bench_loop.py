@@ -199,14 +199,10 @@ def check(path: str, losses: dict[int, float], form: str) -> None:
     np.testing.assert_allclose(got, [losses[s] for s in want], rtol=1e-3, atol=1e-6, err_msg=form)
 
 
-def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]:
-    tmp = tempfile.mkdtemp()
-    plains, by_hand, forms, losses = loops(width, depth, tmp)
-    loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
-    states = {f: loggers[f].init() for f in forms}
-    runs = {**plains, **by_hand}
-    runs.update({f: (lambda f=f: forms[f](loggers[f], states[f])) for f in forms})
-    for fn in runs.values():  # compile, warm up
+def interleaved(runs: dict, repeats: int) -> dict[str, list[float]]:
+    """Each run once to compile and warm up, then `repeats` rounds of each in turn: the
+    seconds each took, per round."""
+    for fn in runs.values():
         fn()
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(repeats):
@@ -214,6 +210,17 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
             start = time.perf_counter()
             fn()
             times[k].append(time.perf_counter() - start)
+    return times
+
+
+def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]:
+    tmp = tempfile.mkdtemp()
+    plains, by_hand, forms, losses = loops(width, depth, tmp)
+    loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
+    states = {f: loggers[f].init() for f in forms}
+    runs = {**plains, **by_hand}
+    runs.update({f: (lambda f=f: forms[f](loggers[f], states[f])) for f in forms})
+    times = interleaved(runs, repeats)
     for f, logger in loggers.items():
         logger.close()
         check(logger.path, losses, f)
@@ -290,14 +297,7 @@ def dispatch(repeats: int, calls: int = 2000) -> None:
                 logger.jit(step, logger.init(), interval=INTERVAL)
             ),
         }
-        for fn in runs.values():
-            fn()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for _ in range(repeats):
-            for k, fn in runs.items():
-                start = time.perf_counter()
-                fn()
-                times[k].append((time.perf_counter() - start) / calls * 1e6)
+        times = {k: [t / calls * 1e6 for t in ts] for k, ts in interleaved(runs, repeats).items()}
     print(
         f"\nper call, a step with no device work (the small MLP's state in and out; {calls} calls)"
     )

@@ -159,22 +159,27 @@ def test_equinox_while_loop_tap(kind):
 # -- diffrax and optimistix -------------------------------------------------------------------
 
 
-def _solve(k, adjoint=diffrax.RecursiveCheckpointAdjoint()):
-    def vector_field(t, y, args):
-        el.log({"y": y, "t": t})
-        return -k * y * (1 + jnp.sin(10 * t) ** 2)
-
-    sol = diffrax.diffeqsolve(
+def _tsit5(vector_field, y0, adjoint=diffrax.RecursiveCheckpointAdjoint()):
+    """An adaptive Tsit5 solve over [0, 3] (6 evaluations of the field a step)."""
+    return diffrax.diffeqsolve(
         diffrax.ODETerm(vector_field),
         diffrax.Tsit5(),
         t0=0.0,
         t1=3.0,
         dt0=0.1,
-        y0=jnp.array(1.0),
+        y0=y0,
         stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5),
         adjoint=adjoint,
         max_steps=256,
     )
+
+
+def _solve(k, adjoint=diffrax.RecursiveCheckpointAdjoint()):
+    def vector_field(t, y, args):
+        el.log({"y": y, "t": t})
+        return -k * y * (1 + jnp.sin(10 * t) ** 2)
+
+    sol = _tsit5(vector_field, jnp.array(1.0), adjoint)
     return sol.ys[-1], sol.stats["num_steps"], sol.stats["num_rejected_steps"]
 
 
@@ -216,17 +221,7 @@ def test_diffrax_statistics_under_a_vmap_inside_leave_out_the_lanes_that_are_don
             el.log_stats("y", y, stats=("absmax",))
             return -k * y
 
-        sol = diffrax.diffeqsolve(
-            diffrax.ODETerm(vector_field),
-            diffrax.Tsit5(),
-            t0=0.0,
-            t1=3.0,
-            dt0=0.1,
-            y0=y0,
-            stepsize_controller=diffrax.PIDController(rtol=1e-5, atol=1e-5),
-            max_steps=256,
-        )
-        return sol.stats["num_steps"]
+        return _tsit5(vector_field, y0).stats["num_steps"]
 
     ks, y0 = jnp.array([1.0, 6.0]), jnp.array([[100.0, 50.0], [1.0, -0.5]])
     steps, logs = el.spool(jax.vmap(f), reduce=el.Stack(capacity=1024))(ks, y0)
