@@ -33,12 +33,7 @@ STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
 def _compute(
-    x: Array,
-    mask: Array | None = None,
-    *,
-    stats: tuple[str, ...],
-    lanes: int | None = None,
-    nbatch: int = 0,
+    x: Array, mask: Array | None = None, *, stats: tuple[str, ...], lanes: int | None = None
 ) -> list[Array]:
     """The statistics `stats` of `x`, in at least float32: over all of it, or, with `lanes`,
     over all but its first `lanes` axes (independent runs: a `vmap` outside the spool), one
@@ -62,7 +57,6 @@ def _compute(
       where a conditional makes the host wait for the device, the careful path runs every
       time, each lane keeping the quick path's values where they serve (`_branching.py`).
     """
-    del nbatch  # (`lane_masked`'s)
     need = set(stats)
     inexact = jnp.issubdtype(x.dtype, jnp.inexact)
     x = _float(x)
@@ -191,7 +185,9 @@ def path_name(path: Sequence[Any]) -> str:
 # pass.
 stats_p = _compat.Primitive("eqx_logs.stats")
 stats_p.multiple_results = True
-stats_p.def_impl(_compute)
+stats_p.def_impl(
+    lambda x, *mask, stats, lanes, nbatch: _compute(x, *mask, stats=stats, lanes=lanes)
+)
 stats_p.def_abstract_eval(
     lambda aval, *mask, stats, lanes, nbatch: [
         _compat.ShapedArray(

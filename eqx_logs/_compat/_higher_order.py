@@ -5,6 +5,7 @@ from typing import Any
 
 from jax import lax as _lax
 from jax._src import core as _core
+from jax._src.lax.control_flow import conditionals as _conditionals
 from jax.tree_util import tree_leaves as _tree_leaves
 
 from ._types import Jaxpr, JaxprEqn, _ClosedJaxpr
@@ -94,9 +95,7 @@ def switch(index: Any, branches: Sequence[Any], *operands: Any, platforms: Any =
     it lowers for alone (the others may not lower there: code for one kind of device)."""
     if platforms is None:
         return _lax.switch(index, branches, *operands)
-    from jax._src.lax.control_flow import conditionals
-
-    return conditionals._switch_internal(index, branches, operands, branches_platforms=platforms)
+    return _conditionals._switch_internal(index, branches, operands, branches_platforms=platforms)
 
 
 LINEAR_SOLVE = "custom_linear_solve"

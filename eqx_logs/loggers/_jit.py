@@ -37,11 +37,16 @@ class _Static:
 jtu.register_pytree_node(_Static, lambda s: ((), s.value), lambda value, _: _Static(value))
 
 
+# leaf types -> (which are arrays, which are not): whether a leaf is an array depends on its
+# type alone, so `_split` works it out once per tuple of types
+_ARRAYS: dict[tuple[type, ...], tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
+
+
 def _split(leaves: Sequence[Any]) -> tuple[tuple[tuple[bool, ...], tuple[Any, ...]], list]:
     """Which leaves are arrays and the others' values (what a compiled step is looked up
     by), and the arrays."""
     types = tuple(map(type, leaves))
-    try:  # (whether a leaf is an array depends on its type alone: worked out once per types)
+    try:
         arrays, others = _ARRAYS[types]
     except KeyError:
         arrays = tuple(map(eqx.is_array, leaves))
@@ -50,9 +55,6 @@ def _split(leaves: Sequence[Any]) -> tuple[tuple[tuple[bool, ...], tuple[Any, ..
             _ARRAYS.clear()
         _ARRAYS[types] = arrays, others
     return (arrays, tuple(compress(leaves, others))), list(compress(leaves, arrays))
-
-
-_ARRAYS: dict[tuple[type, ...], tuple[tuple[bool, ...], tuple[bool, ...]]] = {}
 
 
 def _merge(arrays: tuple[bool, ...], others: tuple[Any, ...], values: Sequence[Any]) -> list:
@@ -95,7 +97,10 @@ class Jit:
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
         # an NNX model's arrays change in place: read at each call (as `_spool._split` does)
         self._mutable = _nnx.has_variables(fun)
-        self._signature: inspect.Signature | Literal[False] | None = None  # (when first needed)
+        try:  # to bind arguments as `eqx.filter_jit` does
+            self._signature: inspect.Signature | None = inspect.signature(fun)
+        except (TypeError, ValueError):  # (a callable without one: arguments as given)
+            self._signature = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted, arrays = self._prepare(args, kwargs)
@@ -131,11 +136,6 @@ class Jit:
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._signature is None:
-            try:
-                self._signature = inspect.signature(self.fun)
-            except (TypeError, ValueError):  # (a callable without one: as given)
-                self._signature = False
-        if self._signature is False:
             return args, kwargs
         bound = self._signature.bind(*args, **kwargs)
         return bound.args, bound.kwargs
