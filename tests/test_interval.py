@@ -7,6 +7,8 @@ within the call. Values logged only for the logs are computed inside the conditi
 the event, so skipped events cost nothing.
 """
 
+import inspect
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -105,6 +107,40 @@ def test_without_a_step_events_are_numbered_within_the_call():
     for _ in range(3):  # every call keeps its first (only) event
         x, logs = step(x)
         assert int(logs.count["x"]) == 1
+
+
+def _vmapped_model(x):
+    el.log({"act": jnp.mean(x)})  # the line the warning must name
+    return x * 2
+
+
+def _step_calling_vmap(i, x):
+    with el.scope(step=i):
+        el.log({"loss": jnp.sum(x)})
+    return jax.vmap(_vmapped_model)(x)
+
+
+@pytest.mark.parametrize("how", ["spool", "logger.jit"])
+def test_the_stepless_warning_names_the_log_line(tmp_path, how):
+    # a key logged without a step inside `jax.vmap(model)`, beside a stepped one: the
+    # warning is raised at the user's call of the spool, so its text must name the line of
+    # the `log` itself (before, it named the key alone: the model's line was nowhere)
+    lines, start = inspect.getsourcelines(_vmapped_model)
+    log_line = start + next(n for n, line in enumerate(lines) if "el.log(" in line)
+    where = f"{__file__}:{log_line} (_vmapped_model)"
+    x = jnp.ones((3, 4))
+    with pytest.warns(UserWarning, match="logged without a `step`") as caught:
+        if how == "spool":
+            el.spool(_step_calling_vmap, interval=2)(jnp.int32(0), x)
+        else:
+            logger = JsonlLogger(tmp_path / "run.jsonl")
+            try:
+                logger.jit(_step_calling_vmap, logger.init(), interval=2)(jnp.int32(0), x)
+            finally:
+                logger.close()
+    (message,) = [str(w.message) for w in caught if "without a `step`" in str(w.message)]
+    assert f"'act' (1 per call, logged at {where})" in message, message
+    assert "'loss' (" not in message
 
 
 def test_repeated_steps_beyond_the_buffer_are_counted(tmp_path):

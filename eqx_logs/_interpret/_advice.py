@@ -5,6 +5,7 @@ from typing import Any
 
 from .._policy import Policy, unmatched
 from .._warn import warn_user
+from ._keys import site_list
 from ._store import INTERVAL_STEP
 
 
@@ -28,7 +29,8 @@ def _stepless(store: Any, policy: Any, who: str) -> str | None:
     """With `interval=k`, keys kept by their `step` beside keys without one, whose events
     per call are not a multiple of k: those are numbered within each call, so in a loop
     calling the spool once per step, each call keeps its first (a step-less key follows
-    no step). Say so, naming `scope(step=...)`."""
+    no step). Say so, naming each such key's `log` lines (the warning itself points at the
+    user's call of the spool, not at the model's line that logs) and `scope(step=...)`."""
     period, counts = policy.interval, store.per_call
     stepped = [k for k in counts if INTERVAL_STEP in store.info[k].steps]
     if period == 1 or not stepped:
@@ -43,7 +45,10 @@ def _stepless(store: Any, policy: Any, who: str) -> str | None:
     }
     if not stepless:
         return None
-    names = ", ".join(f"{k!r} ({n} per call)" for k, n in list(stepless.items())[:4])
+    names = ", ".join(
+        f"{k!r} ({n} per call, logged at {site_list(store.info[k].sites)})"
+        for k, n in list(stepless.items())[:4]
+    )
     more = f" and {len(stepless) - 4} more" if len(stepless) > 4 else ""
     verb = "is" if len(stepless) == 1 else "are"
     return (
