@@ -23,6 +23,7 @@ from eqx_logs.loggers import (
     JsonlLogger,
     MultiLogger,
     WriteReport,
+    WriterError,
     WriterWarning,
     read_jsonl,
 )
@@ -40,6 +41,7 @@ class Gate:
         self.stuck_at = stuck_at
         self.calls = 0
         self.release = threading.Event()
+        self.then_raise = False  # the stuck call raises once released
 
 
 class Stuck(JsonlLogger):
@@ -51,6 +53,8 @@ class Stuck(JsonlLogger):
         call, self.gate.calls = self.gate.calls, self.gate.calls + 1
         if call == self.gate.stuck_at:
             self.gate.release.wait()
+            if self.gate.then_raise:
+                raise OSError("released too late")
         super()._write(handle, run, records)
 
 
@@ -191,9 +195,59 @@ def test_flush_gives_up_and_a_recovered_backend_writes_again(tmp_path):
             assert len(recovered) == 1 and recovered[0].filename == __file__
             logger.close()
         assert steps(tmp_path / "l.jsonl") == [0, 1, 2, 3, 4, 8]
+        # 5..8 since the flush, and 2..4, unwritten when it reported (written since)
         assert messages(caught, "were not written") == [
-            "Stuck: 3 of 4 write(s) were not written: 3 dropped while the backend was stalled."
+            "Stuck: 3 of 7 write(s) were not written (3 of them unwritten at the last "
+            "report): 3 dropped while the backend was stalled."
         ]
+    finally:
+        release(logger, gate)
+
+
+def test_reports_add_up_after_a_flush_gave_up(tmp_path):
+    # a flush gives up on the stuck backend with 10 writes queued; 5 more are dropped; close
+    # abandons the 10: its report counts them among its writes (it said "15 of 5" before)
+    gate = Gate(stuck_at=0)
+    logger = Stuck(tmp_path / "l.jsonl", gate=gate, stall_timeout=STALL)
+    params = jnp.ones(256, jnp.float32)
+    submitted = 0
+
+    def write(i):
+        nonlocal submitted
+        logger.write(spooled_step(params, X, jnp.int32(i))[1])
+        submitted += 1
+
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(10):
+                write(i)
+            logger.flush()
+            assert len(messages(caught, r"flush gave up.*10 item\(s\) not written")) == 1
+            for i in range(10, 15):
+                write(i)
+            logger.close()
+            written = len(steps(tmp_path / "l.jsonl"))  # before the stuck write returns
+        reports = messages(caught, "were not written")
+        assert reports == [
+            "Stuck: 15 of 15 write(s) were not written (10 of them unwritten at the last "
+            "report): 5 dropped while the backend was stalled, 10 abandoned in the stalled "
+            "backend when close gave up."
+        ]
+        counts = [re.match(r"Stuck: (\d+) of (\d+) write", r).groups() for r in reports]
+        assert all(int(lost) <= int(total) for lost, total in counts)
+        assert sum(int(lost) for lost, _ in counts) == submitted - written == 15
+        # the stuck write returns, then raises: abandoned already, it is not counted again
+        gate.then_raise, thread = True, logger._writer._thread
+        gate.release.set()
+        thread.join(timeout=30)
+        assert logger._writer.report() == WriteReport()
+        with (
+            pytest.warns(WriterWarning, match="made progress again"),
+            pytest.raises(WriterError, match="released too late") as failed,
+        ):
+            logger._writer.check()
+        assert failed.value.lost == 0
     finally:
         release(logger, gate)
 
@@ -236,6 +290,12 @@ def test_write_report_counts():
     report = WriteReport(writes=9, dropped_full=1, dropped_stalled=2, failed=3, abandoned=1)
     assert report.lost == 7
     assert str(WriteReport(writes=4)) == "0 of 4 write(s) were not written"
+    report = WriteReport(writes=2, carried=3, abandoned=4)
+    assert (report.lost, report.total) == (4, 5)
+    assert str(report) == (
+        "4 of 5 write(s) were not written (3 of them unwritten at the last report): "
+        "4 abandoned in the stalled backend when close gave up"
+    )
 
 
 @pytest.mark.parametrize(

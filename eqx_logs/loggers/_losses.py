@@ -22,9 +22,12 @@ class WriterWarning(RuntimeWarning):
 
 @dataclasses.dataclass(frozen=True)
 class WriteReport:
-    """What became of the writes submitted to one logger since its last `flush` or `close`.
+    """What became of the writes submitted to one logger since its last `flush` or `close`
+    (its last report), and of those still unwritten at that report.
 
-    - `writes`: writes submitted;
+    - `writes`: writes submitted since the last report;
+    - `carried`: writes submitted before the last report and not yet written then (a
+        `flush` that gave up on a stalled backend): what became of them is counted here;
     - `dropped_full`: dropped because the queue was full (`on_full="drop"`);
     - `dropped_stalled`: dropped because the backend was stalled;
     - `failed`: raised in the backend, or skipped after it raised (`WriterError`);
@@ -32,6 +35,7 @@ class WriteReport:
     """
 
     writes: int = 0
+    carried: int = 0
     dropped_full: int = 0
     dropped_stalled: int = 0
     failed: int = 0
@@ -39,8 +43,13 @@ class WriteReport:
 
     @property
     def lost(self) -> int:
-        """Writes not written."""
+        """Writes not written (at most `total`; each lost write is counted in one report)."""
         return self.dropped_full + self.dropped_stalled + self.failed + self.abandoned
+
+    @property
+    def total(self) -> int:
+        """The writes this report accounts for: `writes` and `carried`."""
+        return self.writes + self.carried
 
     def __str__(self) -> str:
         parts = [
@@ -50,7 +59,8 @@ class WriteReport:
             (self.abandoned, "abandoned in the stalled backend when close gave up"),
         ]
         detail = ", ".join(f"{n} {what}" for n, what in parts if n)
-        return f"{self.lost} of {self.writes} write(s) were not written" + (
+        carried = f" ({self.carried} of them unwritten at the last report)" if self.carried else ""
+        return f"{self.lost} of {self.total} write(s) were not written{carried}" + (
             f": {detail}" if detail else ""
         )
 
@@ -103,9 +113,10 @@ class Losses:
             "fit are dropped and counted; flush() and close() report how many."
         )
 
-    def report(self) -> WriteReport:
-        """The counts since the last report (which this one starts anew)."""
-        counts, self.counts = self.counts, collections.Counter()
+    def report(self, unwritten: int) -> WriteReport:
+        """The counts since the last report (which this one starts anew); `unwritten` writes
+        are still queued or in the backend, and the next report counts them (`carried`)."""
+        counts, self.counts = self.counts, collections.Counter(carried=unwritten)
         self.warned_full = False
         return WriteReport(**counts)
 

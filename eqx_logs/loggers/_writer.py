@@ -53,7 +53,8 @@ class Writer:
     - `flush` waits until everything submitted before it is written (at most until the
       backend stalls); `close` also runs `finish` on the thread (closing files and runs), and
       gives up on a stalled backend (what is still queued is abandoned, counted). Both report
-      what was lost since the last report (`WriterWarning`, exact counts), then `check`. Both
+      what was lost since the last report (`WriterWarning`, exact counts; writes the last
+      report left unwritten are counted in this one, `carried`), then `check`. Both
       are safe to call from any thread, while other threads submit. A process that exits
       normally closes every live writer first (`atexit`).
     """
@@ -220,8 +221,8 @@ class Writer:
                     with self._changed:
                         self._losses.skip()
             except BaseException as e:  # kept for the caller; nothing is swallowed
-                with self._changed:
-                    self._losses.fail(e, write=not always)
+                with self._changed:  # (a write abandoned by `close` is counted already)
+                    self._losses.fail(e, write=not always and self._writing)
             finally:
                 with self._changed:
                     self._pending_bytes -= size
@@ -290,9 +291,12 @@ class Writer:
             return message + f", {abandoned} write(s) of them abandoned."
 
     def report(self) -> WriteReport:
-        """What became of the writes since the last report (which this one starts anew)."""
+        """What became of the writes since the last report (which this one starts anew), and
+        of those it left unwritten: each lost write is counted in one report, among the
+        writes that report accounts for."""
         with self._changed:
-            return self._losses.report()
+            unwritten = sum(not always for *_, always in self._items) + self._writing
+            return self._losses.report(unwritten)
 
     def _report(self) -> None:
         report = self.report()
