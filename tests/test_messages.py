@@ -151,3 +151,17 @@ def test_a_buffer_larger_than_the_device_fails_at_trace_time():
     assert "`interval=k`" in msg and "reduce='mean'" in msg and "capacity=N" in msg
     _, logs = jax.eval_shape(eqx_logs.spool(f, interval=1000), x)
     assert logs["big"]["w"].shape == (100, 1000, 1000)
+
+
+@pytest.mark.parametrize("method", ["jit", "spool", "tap"])
+@pytest.mark.parametrize("fun", [None, 3])
+def test_a_logger_wrapper_of_a_non_callable_names_the_call(tmp_path, method, fun):
+    from eqx_logs.loggers import JsonlLogger
+
+    logger = JsonlLogger(tmp_path / "l.jsonl")
+    got = type(fun).__name__
+    # refused at once, by the call made (before: an AttributeError of functools.partial, the
+    # message of eqx_logs.spool, or, for tap, nothing until the first call)
+    with pytest.raises(TypeError, match=rf"^JsonlLogger\.{method} expects a callable, got {got}"):
+        getattr(logger, method)(fun, logger.init())
+    assert not (tmp_path / "l.jsonl").exists()

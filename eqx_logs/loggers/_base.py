@@ -174,6 +174,7 @@ class AbstractLogger(eqx.Module):
         `state`'s run when the call completes, and `fun`'s output is returned. With
         `first_nonfinite`, a call whose logs hold a NaN or infinity warns
         ([`eqx_logs.loggers.NonfiniteWarning`][]) with the first such event."""
+        _check_fun(self, "spool", fun)
         policy = with_options(
             policy,
             "logger.spool",
@@ -207,6 +208,7 @@ class AbstractLogger(eqx.Module):
         happens (`interval=k` writes every k-th event of each key, gated on the device).
         `buffer=k`: the events reach the writer in blocks of k, one host callback per block
         (see `eqx_logs.tap`), each event still written as a row of its own."""
+        _check_fun(self, "tap", fun)
         check_tap_options("logger.tap", spool_only)
         check_buffer("logger.tap", buffer)
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
@@ -269,6 +271,7 @@ class AbstractLogger(eqx.Module):
         Called inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in
         `eqx.filter_jit`, with the host callback that needs.
         """
+        _check_fun(self, "jit", fun)
         policy = with_options(
             policy,
             "logger.jit",
@@ -360,6 +363,20 @@ class AbstractLogger(eqx.Module):
 
 def _is_none(x: Any) -> bool:
     return x is None
+
+
+def _check_fun(logger: AbstractLogger, method: str, fun: Any) -> None:
+    """`logger.<method>(fun, state)` wraps `fun`: a `TypeError` naming the call if it is not
+    callable (found at once, not at the first call, nor as `eqx_logs.spool`'s)."""
+    if callable(fun):
+        return
+    name = f"{type(logger).__name__}.{method}"
+    wrapper = "eqx_logs.tap" if method == "tap" else "eqx_logs.spool"
+    bare = f" (it has no bare form, as `{wrapper}()` has)" if fun is None else ""
+    raise TypeError(
+        f"{name} expects a callable, got {type(fun).__name__}: it takes the function to run, "
+        f"then the logger's state, `logger.{method}(fun, logger.init())`{bare}."
+    )
 
 
 def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | None) -> None:
