@@ -41,11 +41,17 @@ def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None
     !!! example
 
         ```python
-        with eqx_logs.scope("encoder"):
-            eqx_logs.log("norm", x)  # logged as "encoder/norm"
+        def train_step(model, x, i):
+            with eqx_logs.scope("encoder"):
+                eqx_logs.log("norm", jnp.linalg.norm(x))  # logged as "encoder/norm"
 
-        with eqx_logs.scope(step=i):
-            loss, grads = eqx.filter_value_and_grad(loss_fn)(instrumented_model, x)
+            with eqx_logs.scope(step=i):  # i traced: entered inside the traced step
+                loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x)
+            return loss
+
+        mlp = eqx_logs.instrument(model)  # its statistics carry the step too
+        loss, logs = eqx_logs.spool(train_step)(mlp, x, jnp.int32(3))
+        # logs.step["layers[0]/rms"] == [3]
         ```
 
     The prefix is applied when `log` is called (when the function is traced), so it is the

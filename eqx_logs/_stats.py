@@ -343,6 +343,8 @@ def log_stats(
             loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
             eqx_logs.log_stats("grad", grads, stats=("norm",))  # one key per weight
             return loss
+
+        loss, logs = eqx_logs.spool(step)(model, x, y)  # logs["grad/layers[0].weight/norm"]
         ```
     """
     site = _call_site()

@@ -1,0 +1,125 @@
+"""Every `!!! example` in the docstrings of the public API runs, as the README's and the
+pages' examples do: each block in a fresh namespace, with the usual imports and the few
+names the examples take as given (`CONTEXT`: an input `x`, a function `f` that logs, a
+model and its loss). An example that raises (a key that is not logged, a name
+used but not defined here) fails with its owner's name."""
+
+import contextlib
+import inspect
+import io
+import pathlib
+import re
+import textwrap
+
+import pytest
+
+import eqx_logs
+import eqx_logs.config
+import eqx_logs.loggers
+
+pytestmark = pytest.mark.fast  # in `make test-fast`
+
+MODULES = (eqx_logs, eqx_logs.loggers, eqx_logs.config)
+
+IMPORTS = """\
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import eqx_logs
+"""
+
+# What the examples may take as given, and nothing more: an example that needs another name
+# defines it itself.
+CONTEXT = """\
+x = jnp.array([0.5, -1.0])                      # an input (the MLP's: 2 features)
+y = jnp.array([0.25])                           # a target
+w = jnp.float32(0.3)                            # a weight
+
+
+def f(x):                                       # a function that logs
+    eqx_logs.log("loss", jnp.sum(x**2))
+    return x
+
+
+model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+
+
+def loss_fn(model, x, y=y):
+    return jnp.mean((model(x) - y) ** 2)
+"""
+
+
+def _owners():
+    """(qualified name, object) for each public name of `MODULES`, and for each class among
+    them, its own methods and properties."""
+    seen = set()
+    for module in MODULES:
+        for name, obj in sorted(vars(module).items()):
+            if name.startswith("_") or not (inspect.isclass(obj) or inspect.isfunction(obj)):
+                continue
+            if not getattr(obj, "__module__", "").startswith("eqx_logs") or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            yield f"{module.__name__}.{name}", obj
+            if inspect.isclass(obj):
+                for attr, member in sorted(vars(obj).items()):
+                    member = getattr(member, "fget", member)  # a property's getter
+                    member = getattr(member, "__func__", member)  # a static/class method
+                    if attr.startswith("_") or not callable(member) or id(member) in seen:
+                        continue
+                    seen.add(id(member))
+                    yield f"{module.__name__}.{name}.{attr}", member
+
+
+def _examples(doc):
+    """The ```python blocks inside each `!!! example` admonition of `doc`, dedented."""
+    lines = inspect.cleandoc(doc).splitlines()
+    blocks, k = [], 0
+    while k < len(lines):
+        line = lines[k]
+        k += 1
+        if not line.strip().startswith("!!! example"):
+            continue
+        indent = len(line) - len(line.lstrip())
+        body = []
+        while k < len(lines) and (
+            not lines[k].strip() or len(lines[k]) - len(lines[k].lstrip()) > indent
+        ):
+            body.append(lines[k])
+            k += 1
+        text = textwrap.dedent("\n".join(body))
+        blocks += re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+    return blocks
+
+
+def _cases():
+    cases = []
+    for name, obj in _owners():
+        for n, code in enumerate(_examples(obj.__doc__ or "")):
+            cases.append(pytest.param(name, code, id=f"{name}[{n}]"))
+    return cases
+
+
+CASES = _cases()
+
+
+def test_every_example_is_collected():
+    # every admonition in the package's source belongs to a public name (one block each),
+    # so each is a case: none is left out by a name not walked here
+    package = pathlib.Path(eqx_logs.__file__).parent
+    admonitions = sum(p.read_text().count("!!! example") for p in package.rglob("*.py"))
+    assert len(CASES) == admonitions >= 12, [c.id for c in CASES]
+    owners = {c.values[0] for c in CASES}
+    for name in ("eqx_logs.spool", "eqx_logs.tap", "eqx_logs.instrument", "eqx_logs.scope"):
+        assert name in owners, sorted(owners)
+
+
+@pytest.mark.parametrize("owner, code", CASES)
+def test_docstring_example_runs(owner, code):
+    namespace: dict = {"__name__": f"docstring_of_{owner.replace('.', '_')}"}
+    exec(compile(IMPORTS + CONTEXT, "<docstring context>", "exec"), namespace)
+    with contextlib.redirect_stdout(io.StringIO()):
+        exec(compile(code, f"<example of {owner}>", "exec"), namespace)
