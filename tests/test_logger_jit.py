@@ -420,6 +420,27 @@ def test_inside_jit_and_vmap_it_falls_back_to_a_host_callback(tmp_path):
     assert got == [(0, 5, 1.0), (1, 5, 5.0), (2, 5, 9.0)]
 
 
+@pytest.mark.parametrize("method", ["jit", "spool", "tap"])
+def test_a_batch_of_states_outside_vmap_is_refused_at_once(tmp_path, method):
+    # before: the writer thread's IndexError (a WriterError at a later call)
+    def step(w, i):
+        eqx_logs.log("s", jnp.sum(w), step=i)
+        return w + 1
+
+    ws = jnp.arange(6.0).reshape(3, 2)
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        states = jax.vmap(logger.init)(jnp.arange(3))
+        make = getattr(logger, method)
+        with pytest.raises(ValueError, match=r"batch of 3 runs \(its run index has shape \(3,\)"):
+            make(step, states)
+        # what the message says to do instead: under vmap, the states mapped; or one state
+        out = jax.vmap(lambda state, w: make(step, state)(w, jnp.int32(5)))(states, ws)
+        make(step, logger.init(7))(ws[0], jnp.int32(6))
+    np.testing.assert_array_equal(out, ws + 1)
+    got = sorted((r["run"], r["step"], r["value"]) for r in read_jsonl(tmp_path / "a.jsonl"))
+    assert got == [(0, 5, 1.0), (1, 5, 5.0), (2, 5, 9.0), (7, 6, 1.0)]
+
+
 def test_a_vmapped_spool_written_with_vmapped_states_writes_each_run(tmp_path):
     """`logger.write(logs, states)` outside jit: the writer splits the lanes, one run each."""
     spooled = jax.jit(jax.vmap(eqx_logs.spool(train_step)))

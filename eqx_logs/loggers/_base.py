@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeVar
 
 import equinox as eqx
 import jax
+import numpy as np
 from jaxtyping import ArrayLike, PRNGKeyArray
 
 from .. import _compat
@@ -175,6 +176,7 @@ class AbstractLogger(eqx.Module):
         `first_nonfinite`, a call whose logs hold a NaN or infinity warns
         ([`eqx_logs.loggers.NonfiniteWarning`][]) with the first such event."""
         _check_fun(self, "spool", fun)
+        _check_state(self, "spool", state)
         policy = with_options(
             policy,
             "logger.spool",
@@ -209,6 +211,7 @@ class AbstractLogger(eqx.Module):
         `buffer=k`: the events reach the writer in blocks of k, one host callback per block
         (see `eqx_logs.tap`), each event still written as a row of its own."""
         _check_fun(self, "tap", fun)
+        _check_state(self, "tap", state)
         check_tap_options("logger.tap", spool_only)
         check_buffer("logger.tap", buffer)
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
@@ -272,6 +275,7 @@ class AbstractLogger(eqx.Module):
         `eqx.filter_jit`, with the host callback that needs.
         """
         _check_fun(self, "jit", fun)
+        _check_state(self, "jit", state)
         policy = with_options(
             policy,
             "logger.jit",
@@ -376,6 +380,25 @@ def _check_fun(logger: AbstractLogger, method: str, fun: Any) -> None:
     raise TypeError(
         f"{name} expects a callable, got {type(fun).__name__}: it takes the function to run, "
         f"then the logger's state, `logger.{method}(fun, logger.init())`{bare}."
+    )
+
+
+def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> None:
+    """`logger.<method>(fun, state)` writes each call's logs to the one run of `state`: a
+    state of many runs (`jax.vmap(logger.init)(...)`, not mapped by a `vmap` around the call)
+    is refused here, once, rather than by the writer thread at the first call. (The state is
+    fixed when the step is made: its calls need no check.)"""
+    shape = np.shape(state.run)
+    if not shape:
+        return
+    runs = " x ".join(map(str, shape))
+    raise ValueError(
+        f"{type(logger).__name__}.{method}(fun, state): the state is a batch of {runs} runs "
+        f"(its run index has shape {shape}, as made by `jax.vmap(logger.init)(...)`), but "
+        "the wrapped function writes each call's logs to one run. Call it under `jax.vmap`, the "
+        f"states mapped, one run per lane: `jax.vmap(lambda state, x: logger.{method}(fun, "
+        "state)(x))(states, xs)`; or make the state of one run with `logger.init()` (or "
+        "`logger.init(run)`) outside `vmap`."
     )
 
 
