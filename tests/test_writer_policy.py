@@ -305,6 +305,7 @@ def test_write_report_counts():
         ({"stall_timeout": 0}, r"JsonlLogger\(stall_timeout=0\): stall_timeout must be"),
         ({"stall_timeout": float("nan")}, r"stall_timeout=nan\)"),
         ({"stall_timeout": "60"}, r"stall_timeout='60'\)"),
+        ({"stall_timeout": -float("inf")}, r"stall_timeout=-inf\): .*None \(or inf\)"),
     ],
 )
 def test_bad_policy_names_the_option(tmp_path, options, message):
@@ -318,6 +319,31 @@ def test_policy_defaults(tmp_path):
     assert (logger._writer.on_full, logger._writer.stall_timeout) == ("block", 60.0)
     logger = JsonlLogger(tmp_path / "l.jsonl", on_full="drop", stall_timeout=None)
     assert (logger._writer.on_full, logger._writer.stall_timeout) == ("drop", None)
+
+
+def test_an_infinite_stall_timeout_never_gives_up(tmp_path):
+    # the backend holds its first write for 1 s, with 2 writes of room behind it: the loop
+    # waits for room, flush for the end, however long; nothing is dropped or said
+    gate = Gate(stuck_at=0)
+    logger = Stuck(tmp_path / "l.jsonl", gate=gate, stall_timeout=float("inf"))
+    assert logger.stall_timeout == logger._writer.stall_timeout == float("inf")
+    logger._writer.max_pending_bytes = 2 * SCALAR
+    timer = threading.Timer(1.0, gate.release.set)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (a WriterWarning, or an OverflowError before)
+            timer.start()
+            start = time.monotonic()
+            train(10, logger)
+            logger.flush()
+            took = time.monotonic() - start
+            logger.close()
+        assert took >= 0.9  # waited for the backend rather than dropping
+        assert steps(tmp_path / "l.jsonl") == list(range(10))
+        assert logger._writer.report() == WriteReport()
+    finally:
+        timer.cancel()
+        release(logger, gate)
 
 
 # -- MultiLogger: a stuck and a failing backend, isolated from a healthy one -------------------

@@ -99,7 +99,8 @@ class AbstractLogger(eqx.Module):
         while it was idle): reported with a `WriterWarning`, and every write while it stays
         stalled is dropped and counted, without waiting; `flush()` and `close()` give up
         waiting for it (`close()` abandons, and counts, what it has not written). Default 60;
-        `None` waits forever (a stuck backend then hangs the caller).
+        `None` or `float("inf")` never gives up: nothing is dropped for a slow backend, and
+        a stuck one hangs the caller.
     """
 
     # keyword-only, so that backends' own fields may come without defaults before it
@@ -127,7 +128,7 @@ class AbstractLogger(eqx.Module):
         ):
             raise ValueError(
                 f"{type(self).__name__}(stall_timeout={timeout!r}): stall_timeout must be a "
-                "number of seconds > 0, or None to wait for a stuck backend forever."
+                "number of seconds > 0, or None (or inf) to wait for a stuck backend forever."
             )
         # the writer (one per logger, shared by its copies) follows the logger's policy
         self._writer.on_full, self._writer.stall_timeout = self.on_full, timeout

@@ -1,6 +1,7 @@
 """A writer's stall watchdog: when its busy backend counts as stalled, and what it says."""
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -10,7 +11,7 @@ class Watchdog:
     """The stall clock of one writer's backend. It runs from the backend's last finished item
     (or from when work arrived while it was idle, `progress`), and stops while the writer
     thread waits for the device (`paused`). A busy backend whose clock reaches `timeout`
-    seconds is stalled; `None`: never. Not locked itself: the writer calls it under its own
+    seconds is stalled; `None` or `inf`: never. Not locked itself: the writer calls it under its own
     lock, and says whether the backend is busy."""
 
     def __init__(self, timeout: float | None):
@@ -28,8 +29,8 @@ class Watchdog:
     def left(self, now: float) -> float | None:
         """Seconds from `now` until a busy backend counts as stalled (none left: <= 0), or
         None while it cannot stall."""
-        if self.timeout is None or self.waiting:  # (for the device)
-            return None
+        if self.timeout is None or self.timeout == math.inf or self.waiting:  # (the device)
+            return None  # (an infinite wait: `Condition.wait` takes no `inf`)
         return self.progress + self.timeout - now
 
     def wait(self, lock: threading.Condition, done: Callable[[], bool]) -> bool:

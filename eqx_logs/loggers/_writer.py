@@ -49,7 +49,8 @@ class Writer:
       seconds (measured from its last finished item, or from when work arrived while it was
       idle). A stalled backend is reported with a `WriterWarning`, and every item submitted
       while it stays stalled is dropped (counted) instead of waiting or queueing. So a
-      producer never waits longer than `stall_timeout` for a stuck backend. `None`: never.
+      producer never waits longer than `stall_timeout` for a stuck backend. `None` (or
+      `inf`): never stalled, waited for however long it takes.
     - `flush` waits until everything submitted before it is written (at most until the
       backend stalls); `close` also runs `finish` on the thread (closing files and runs), and
       gives up on a stalled backend (what is still queued is abandoned, counted). Both report
@@ -97,7 +98,7 @@ class Writer:
 
     @property
     def stall_timeout(self) -> float | None:
-        """Seconds without progress after which a busy backend counts as stalled (None: never)."""
+        """Seconds without progress after which a busy backend is stalled (None, inf: never)."""
         return self._watchdog.timeout
 
     @stall_timeout.setter
