@@ -20,9 +20,7 @@ Curves = dict[str, dict[str, tuple[list[float], list[float]]]]
 def _number(value: object) -> float | None:
     if isinstance(value, bool):
         return float(value)
-    if isinstance(value, int | float):
-        return float(value)
-    if value in ("nan", "inf", "-inf"):
+    if isinstance(value, int | float):  # (`read_jsonl` reads NaN and infinities as floats)
         return float(value)
     if isinstance(value, list) and len(value) == 1:
         return _number(value[0])

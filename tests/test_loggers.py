@@ -88,7 +88,42 @@ def test_jsonl_real_nan_event_is_kept(tmp_path):
     rows = read_jsonl(path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["value"] == 1.0 and rows[2]["value"] == 3.0
-    assert rows[1]["value"] == "nan"  # documented: non-finite floats come back as strings
+    assert isinstance(rows[1]["value"], float) and math.isnan(rows[1]["value"])
+
+
+def test_jsonl_nonfinite_values_are_read_back_as_floats(tmp_path):
+    # the file keeps strict JSON's spelling, "nan", "inf", "-inf"; read_jsonl (and so the
+    # plot command) gives floats: before, the string 'nan' broke min() and np.mean
+    xs = np.array([1.0, np.nan, np.inf, -np.inf, 2.0], np.float32)
+    vec = np.stack([xs, -xs], axis=1)
+
+    def f(xs):
+        def step(c, x):
+            eqx_logs.log({"x": x, "vec": jnp.stack([x, -x])}, step=c)
+            return c + 1, None
+
+        return lax.scan(step, 0, xs)[0]
+
+    path = tmp_path / "logs.jsonl"
+    with JsonlLogger(path, config={"nan": float("nan")}) as logger:
+        logger.write(spooled(f, xs))
+    raw = path.read_text()
+    assert '"nan"' in raw and '"-inf"' in raw and "NaN" not in raw and "Infinity" not in raw
+    rows = read_jsonl(path)
+    got = np.array([r["value"] for r in rows if r["key"] == "x"], np.float32)
+    np.testing.assert_array_equal(got, xs)  # (NaN where xs has NaN)
+    got_vec = np.array([r["value"] for r in rows if r["key"] == "vec"], np.float32)
+    np.testing.assert_array_equal(got_vec, vec)
+    assert all(type(x) is float for r in rows for x in np.ravel(r["value"]).tolist())
+    assert min(got[np.isfinite(got)]) == 1.0 and np.isnan(np.mean(got))
+    assert sorted(r["key"] for r in rows if r["step"] == 1) == ["vec", "x"]  # keys as they are
+
+    from eqx_logs._plot import load_curves
+
+    curves, skipped, _ = load_curves([str(path)], ["x"])
+    xs_plot, ys_plot = curves["x"]["run 0"]
+    assert xs_plot == [0.0, 1.0, 2.0, 3.0, 4.0] and not skipped
+    np.testing.assert_array_equal(np.array(ys_plot, np.float32), xs)
 
 
 def test_jsonl_stack_capacity_keep_last(tmp_path):

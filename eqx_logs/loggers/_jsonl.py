@@ -2,7 +2,7 @@ import json
 import os
 import time
 import warnings
-from typing import IO
+from typing import IO, Any
 
 import equinox as eqx
 
@@ -16,7 +16,8 @@ class JsonlLogger(AbstractLogger):
     Appends to an existing file. Every write is flushed to the operating system, so a crash of
     the process loses only events not yet written; the file is also fsynced at most every
     `fsync_every` seconds and on close, so a crash of the machine loses at most that long.
-    Read it back with [`eqx_logs.loggers.read_jsonl`][].
+    NaN and infinities are written as the strings `"nan"`, `"inf"` and `"-inf"` (the file is
+    strict JSON); read it back with [`eqx_logs.loggers.read_jsonl`][], which makes them floats.
 
     With `config=` (see [`eqx_logs.loggers.AbstractLogger`][]), the logger writes the line
     `{"config": {...}}` before its first record: the first line of a new file (a logger
@@ -94,11 +95,13 @@ def _drop_torn_line(path: str) -> None:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """The records of a JsonlLogger file (non-finite floats come back as 'nan'/'inf' strings).
-    The lines that hold a logger's config (`{"config": {...}}`, the first line of a file
-    written with `config=`) are not records, and are skipped. A last line cut short by a
-    crash is skipped; any other line that is not a record, and any line that is not UTF-8
-    text (a binary file), raises `ValueError` naming the file and the line."""
+    """The records of a JsonlLogger file. Non-finite floats, which the file spells as the
+    strings `"nan"`, `"inf"` and `"-inf"` (strict JSON has no NaN), come back as floats, in
+    values and steps alike, so that `min` or `np.mean` of the values work. The lines that
+    hold a logger's config (`{"config": {...}}`, the first line of a file written with
+    `config=`) are not records, and are skipped. A last line cut short by a crash is
+    skipped; any other line that is not a record, and any line that is not UTF-8 text (a
+    binary file), raises `ValueError` naming the file and the line."""
     out = []
     # undecodable bytes become lone surrogates, found line by line (a strict decoder fails
     # on a chunk of the file, before the lines that precede the bad byte in it)
@@ -121,8 +124,25 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
                     f"{os.fspath(path)}, line {number}: not a JsonlLogger record (an object "
                     f"with 'run', 'key' and 'value', or a config line): {line.strip()[:80]!r}."
                 )
+            if '"nan"' in line or 'inf"' in line:  # (cheap to look for on every line)
+                record = {k: v if k == "key" else _floats(v) for k, v in record.items()}
             out.append(record)
     return out
+
+
+_SPELLINGS = frozenset({"nan", "inf", "-inf"})  # `to_python`'s non-finite floats
+
+
+def _floats(x: Any) -> Any:
+    """`x` (a record's field, as read) with the strings `to_python` writes for non-finite
+    floats back as floats."""
+    if isinstance(x, str):
+        return float(x) if x in _SPELLINGS else x
+    if isinstance(x, list):
+        return [_floats(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _floats(v) for k, v in x.items()}
+    return x
 
 
 def _check_text(path: str | os.PathLike, number: int, line: str) -> None:
