@@ -63,7 +63,11 @@ def tap(
         events, says which lanes each happened in). Far fewer host round trips: use it where
         a loop logs every step.
     - `policy`, `interval`, `tags`, `exclude`, `prefix`: as for `spool`. `interval=k` is
-        applied on the device: the host is called only for events 0, k, 2k, ... of each key.
+        applied on the device: the host is called only for events 0, k, 2k, ... of each key,
+        or, for events with a `step=`, those whose step is a multiple of k. Under a `vmap`
+        inside `fun` a step is kept lane by lane, as `jax.vmap(tap(fun))` would keep it: the
+        event reaches the host where some lane keeps it, and the lanes that do not are masked
+        in `steps["valid"]` (NaN), as lanes where it did not happen are.
         `spool`'s other options (`reduce`, `window`, `first_nonfinite`, `keep`, `key`,
         `across`) raise a `TypeError` saying why: tap keeps no events to work on; a `policy`
         with them, a `ValueError`. Of a policy's `rules`, a tap applies `"drop"` and ignores

@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from . import _compat
+from . import _compat, _lanes
 from ._deferred import force
 from ._interpret import INTERVAL_STEP, Handler
 from ._primitive import rebind
@@ -27,10 +27,11 @@ def _numeric(x: Any) -> bool:
 
 def _zero_of(args: Any) -> Any:
     """A zero computed from every input (`Tap._lanes`), from none of its elements:
-    an empty slice. (Not of inputs sharded over Explicit mesh axes, which cannot be flattened
-    without naming a sharding; vmap does not batch those.)"""
+    an empty slice (of a complex input, its real part: summing it as int32 would discard the
+    imaginary part, with numpy's `ComplexWarning`). (Not of inputs sharded over Explicit mesh
+    axes, which cannot be flattened without naming a sharding; vmap does not batch those.)"""
     empty = [
-        jnp.ravel(x)[:0].sum(dtype=jnp.int32)
+        jnp.real(jnp.ravel(x)[:0]).sum(dtype=jnp.int32)
         for x in args
         if _numeric(x) and _compat.explicit_spec(jax.typeof(x)) is None
     ]
@@ -245,12 +246,25 @@ class Tap(Handler):
         ]
         period = interp.policy.interval
         by_step = period > 1 and INTERVAL_STEP in steps  # kept where step % k == 0
+        # A step batched by a vmap inside the tap: the interval keeps each lane's own step, as
+        # `jax.vmap(tap(f))` (and spool's `Store.gate`) would. The event goes to the host where
+        # some lane keeps it, the lanes that do not masked as lanes where it did not happen
+        # are: `shown` is the event's mask for the host (the counters still count `mask`).
+        stepped = by_step and jnp.ndim(steps[INTERVAL_STEP]) > 0
+        shown = mask
+        if stepped:
+            shown = _multiple(steps[INTERVAL_STEP], period)
+            if mask is not None:
+                shown = jnp.logical_and(_lanes.fit(mask, jnp.shape(shown)), shown)
         for g in groups:
             count = states[g]
             if mask is None and lane is None and isinstance(count, int):  # known now
-                wanted[g] = (
-                    _multiple(steps[INTERVAL_STEP], period) if by_step else (count % period == 0)
-                )
+                if stepped:
+                    wanted[g] = jnp.any(shown)
+                elif by_step:
+                    wanted[g] = _multiple(steps[INTERVAL_STEP], period)
+                else:
+                    wanted[g] = count % period == 0
                 states[g] = count + 1
                 continue
             if mask is None and lane is None and period == 1:  # always kept
@@ -263,10 +277,14 @@ class Tap(Handler):
             count = jnp.asarray(count, jnp.int32)
             if period == 1:
                 wanted[g] = happened
+            elif stepped:  # (a lane of `shown` is one where the event happened)
+                kept = jnp.any(shown)
+                wanted[g] = kept if lane is None else jnp.logical_and(kept, lane)
             else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
                 number = steps[INTERVAL_STEP] if by_step else count
                 wanted[g] = jnp.logical_and(happened, _multiple(number, period))
             states[g] = count + happened.astype(jnp.int32)
+        mask = shown
         if not any(w is not False for w in wanted.values()):
             return  # skipped by the interval, known at trace time
         if self.blocks is not None:

@@ -1,5 +1,9 @@
 """tap: events streamed to the host in execution order, gated on the device."""
 
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -154,3 +158,62 @@ def test_vmap_outside_tap_calls_only_lanes_where_the_event_happened():
     got = sorted(rec.flat())
     want = sorted([("pos", 1.0), ("neg", -2.0), ("pos", 3.0), ("i", 0), ("i", 1), ("i", 0)])
     assert got == want
+
+
+# Run with warnings as errors in a process of its own: JAX caches what it traced (numpy's
+# warnings are raised while tracing), so an earlier test in this process could hide one.
+_COMPLEX = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np
+    from jax import lax
+    import eqx_logs as el
+
+    def f(z):
+        el.log("z", z)
+        return 2 * z
+
+    def lanes(z):  # a vmap inside: a batched cond masks lanes, the interval keeps steps
+        def body(c, i):
+            w = z * i.astype(z.dtype)
+            lax.cond(z.real > i.astype(z.real.dtype), lambda: el.log("w", w, step=i), lambda: None)
+            return c, None
+
+        return lax.scan(body, 0, jnp.arange(4))[0]
+
+    got = []
+    def record(logs, steps):
+        got.append((jax.tree.map(np.asarray, logs), jax.tree.map(np.asarray, steps)))
+
+    z = jnp.complex64(1 - 2j)
+    for buffer in (None, 2):
+        out = el.tap(f, callback=record, buffer=buffer)(z)
+        assert complex(out) == 2 - 4j, out
+        zs = jnp.array([1 + 1j, 3 - 1j], jnp.complex64)
+        el.tap(jax.vmap(lanes), callback=record, interval=2, buffer=buffer)(zs)
+    jax.effects_barrier()
+    for logs, steps in got:
+        print(sorted(logs), {k: np.ravel(v).tolist() for k, v in {**logs, **steps}.items()})
+    """
+)
+
+
+def test_complex_input_and_values_warn_nothing():
+    """numpy's ComplexWarning (a complex input summed as an int32, for the lanes' operand) is
+    not raised by the library: under `python -W error` a tap of complex values runs."""
+    proc = subprocess.run(
+        [sys.executable, "-W", "error", "-c", _COMPLEX], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    scalar = "['z'] {'z': [(1-2j)]}"
+    # lane 0 (real part 1) logs at step 0 only; lane 1 (real part 3) at steps 0, 1, 2: the
+    # interval keeps steps 0 and 2
+    unbuffered = [
+        "['w'] {'w': [0j, 0j], 'step': [0, 0], 'valid': [True, True]}",
+        "['w'] {'w': [(nan+0j), (6-2j)], 'step': [2, 2], 'valid': [False, True]}",
+    ]
+    buffered = [
+        "['w'] {'w': [0j, 0j, (nan+0j), (6-2j)], 'step': [0, 0, 2, 2], "
+        "'valid': [True, True, False, True]}"
+    ]
+    assert lines == [scalar, *unbuffered, scalar, *buffered]

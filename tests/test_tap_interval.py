@@ -199,3 +199,159 @@ def test_checkpoint_under_grad_fires_once_and_passes_other_events_on_once():
     np.testing.assert_allclose(float(grad), np.cos(0.5), rtol=1e-6)
     assert rec.values("mine") == [0.5]
     np.testing.assert_allclose(np.asarray(logs["other"]), [1.0])
+
+
+# -- a step batched by a vmap inside the tap: the interval keeps each lane's own steps -----------
+# (issue 34). The reference is each lane alone: its events and their steps written down in
+# numpy, and what `jax.vmap(tap(f, interval=k))` and `spool(jax.vmap(f), interval=k)` keep. A
+# delivery of `tap(jax.vmap(f), interval=k)` holds the lanes that keep the event as valid, and
+# is made only where some lane keeps it.
+
+
+class Deliveries:
+    """A tap callback keeping each call; `per_lane` reads them lane by lane."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, logs, steps):
+        self.calls.append((jax.tree.map(np.array, logs), jax.tree.map(np.array, steps)))
+
+    def per_lane(self, key, lanes):
+        """Each lane's `(step, value)` pairs, in order, from the deliveries of a tap of a vmap
+        over `lanes` lanes (with `buffer=k`: blocks, whose rows are events). Checks that each
+        delivered event keeps some lane and that the other lanes' values are NaN."""
+        jax.effects_barrier()
+        out = [[] for _ in range(lanes)]
+        for logs, steps in self.calls:
+            if key not in logs:
+                continue
+            values = logs[key].reshape(-1, lanes)
+            valid = steps["valid"].reshape(-1, lanes)
+            at = steps["step"].reshape(-1, lanes)
+            assert valid.any(axis=1).all(), "an event no lane keeps was delivered"
+            assert np.isnan(values[~valid]).all()
+            for row in range(len(values)):
+                for lane in np.flatnonzero(valid[row]):
+                    out[lane].append((int(at[row, lane]), float(values[row, lane])))
+        return out
+
+
+def _kept(events, k):
+    """Of one lane's `(step, value)` events, those whose step the interval `k` keeps."""
+    return [(s, v) for s, v in events if s % k == 0]
+
+
+def _spooled_per_lane(f, args, k, **options):
+    """Each lane's kept values from `spool(jax.vmap(f), interval=k)`."""
+    _, logs = el.spool(jax.vmap(f), interval=k, **options)(*args)
+    values, count = np.asarray(logs["x"]), np.asarray(logs.count["x"])
+    return [values[: count[lane], lane].tolist() for lane in range(values.shape[1])]
+
+
+def _tap_vmap(f, args, k, buffer, jit):
+    rec = Deliveries()
+    tapped = el.tap(jax.vmap(f), callback=rec, interval=k, buffer=buffer)
+    out = (jax.jit(tapped) if jit else tapped)(*args)
+    jax.block_until_ready(out)
+    return out, rec
+
+
+def _cond_in_scan(thr, length=7):
+    """The issue's program: a cond with a batched predicate in a scan, logging `step=i`."""
+
+    def body(c, i):
+        lax.cond(i > thr, lambda: el.log("x", i.astype(jnp.float32), step=i), lambda: None)
+        return c + 1, None
+
+    return lax.scan(body, thr, jnp.arange(length))[0]
+
+
+STEP_CASES = list(itertools.product([2, 3], [None, 2, 3], [False, True]))
+
+
+@pytest.mark.parametrize("k,buffer,jit", STEP_CASES)
+def test_vmap_inside_cond_in_scan_keeps_each_lanes_steps(k, buffer, jit):
+    thrs = np.array([0, 2, 1, 5, 9], np.int32)
+    out, rec = _tap_vmap(_cond_in_scan, (jnp.asarray(thrs),), k, buffer, jit)
+    np.testing.assert_array_equal(np.asarray(out), thrs + 7)
+    got = rec.per_lane("x", len(thrs))
+    want = [_kept([(i, float(i)) for i in range(7) if i > t], k) for t in thrs]
+    assert got == want
+    assert [[v for _, v in lane] for lane in got] == _spooled_per_lane(
+        _cond_in_scan, (jnp.asarray(thrs),), k
+    )
+
+
+def _stepped_scan(offset):
+    """No cond: every lane logs every iteration, each with its own step."""
+
+    def body(c, i):
+        el.log("x", (i + offset).astype(jnp.float32), step=i + offset)
+        return c + 1, None
+
+    return lax.scan(body, offset, jnp.arange(6))[0]
+
+
+@pytest.mark.parametrize("k,buffer,jit", STEP_CASES)
+def test_vmap_inside_steps_that_differ_per_lane(k, buffer, jit):
+    offsets = np.array([0, 1, 3, 4], np.int32)
+    _, rec = _tap_vmap(_stepped_scan, (jnp.asarray(offsets),), k, buffer, jit)
+    want = [_kept([(o + i, float(o + i)) for i in range(6)], k) for o in offsets]
+    assert rec.per_lane("x", len(offsets)) == want
+
+
+def _while_lane(lane, n):
+    """jax-tap's "vmap while sample_every": each lane runs its own number of iterations,
+    logging `step=i` in each; `lane` is logged to tell the lanes of a vmap outside apart."""
+
+    def body(carry):
+        i, s = carry
+        el.log({"x": s, "lane": lane}, step=i)
+        return i + 1, s + 0.5
+
+    return lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), jnp.float32(0)))[1]
+
+
+@pytest.mark.parametrize("k,buffer,jit", STEP_CASES)
+def test_vmap_inside_while_with_a_batched_trip_count(k, buffer, jit):
+    ns = np.array([3, 6, 0, 1, 5], np.int32)
+    lanes = jnp.arange(len(ns), dtype=jnp.int32)
+    out, rec = _tap_vmap(_while_lane, (lanes, jnp.asarray(ns)), k, buffer, jit)
+    np.testing.assert_allclose(np.asarray(out), 0.5 * ns)
+    got = rec.per_lane("x", len(ns))
+    assert got == [_kept([(i, 0.5 * i) for i in range(n)], k) for n in ns]
+    # what `jax.vmap(tap(f, interval=k))` delivers, lane by lane
+    ref = Deliveries()
+    jax.vmap(el.tap(_while_lane, callback=ref, interval=k))(lanes, jnp.asarray(ns))
+    jax.effects_barrier()
+    alone = [[] for _ in ns]
+    for logs, steps in ref.calls:
+        alone[int(logs["lane"])].append((int(steps["step"]), float(logs["x"])))
+    assert got == alone
+    spooled = _spooled_per_lane(
+        _while_lane, (lanes, jnp.asarray(ns)), k, reduce=el.Stack(capacity=8)
+    )
+    assert [[v for _, v in lane] for lane in got] == spooled
+
+
+@pytest.mark.parametrize("kind", ["lax", "checkpointed", "bounded"])
+@pytest.mark.parametrize("buffer", [None, 2])
+def test_vmap_inside_equinox_while_loop_keeps_each_lanes_steps(kind, buffer):
+    """Equinox's loops (diffrax's) run the body for every lane while any runs: each lane's
+    events are those of its own iterations, kept by its own step."""
+    import equinox.internal as eqxi
+
+    def f(n):
+        def body(carry):
+            i, s = carry
+            el.log("x", s, step=i)
+            return i + 1, s + 0.5
+
+        init = (jnp.int32(0), jnp.float32(0))
+        return eqxi.while_loop(lambda c: c[0] < n, body, init, max_steps=8, kind=kind)[1]
+
+    ns = np.array([3, 6, 1, 7], np.int32)
+    out, rec = _tap_vmap(f, (jnp.asarray(ns),), 2, buffer, jit=True)
+    np.testing.assert_allclose(np.asarray(out), 0.5 * ns)
+    assert rec.per_lane("x", len(ns)) == [_kept([(i, 0.5 * i) for i in range(n)], 2) for n in ns]
