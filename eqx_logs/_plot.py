@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from ._instrument import key_pattern
+from ._spelling import closest
 from .loggers._jsonl import read_jsonl
 
 Curves = dict[str, dict[str, tuple[list[float], list[float]]]]
@@ -54,6 +55,11 @@ def key_matches(key: str, pattern: str) -> bool:
     if fnmatch.fnmatchcase(key, pattern):
         return True
     return re.fullmatch(key_pattern(pattern), key, re.DOTALL) is not None
+
+
+def _key_regex(pattern: str) -> str:
+    """A regular expression of the keys `pattern` matches (`key_matches`), whole."""
+    return f"{fnmatch.translate(pattern)}|{key_pattern(pattern)}"
 
 
 def _overrides(file: str) -> list[str] | None:
@@ -132,8 +138,10 @@ def no_match(files: Sequence[str], keys: Sequence[str]) -> str:
         return f"error: no scalar values in {where}{held}"
     present = sorted(scalar)
     shown = ", ".join(present[:40]) + (f", ... ({len(present) - 40} more)" if present[40:] else "")
-    close = difflib.get_close_matches(keys[0], present, n=1, cutoff=0.5) or present[:1]
-    examples = [f"-k {shlex.quote(close[0])}"]
+    # the key the first pattern is a likely typo of (the policy's rule), else one like it
+    close = closest(keys[0], present, _key_regex)
+    close = close or (difflib.get_close_matches(keys[0], present, n=1, cutoff=0.5) or present)[0]
+    examples = [f"-k {shlex.quote(close)}"]
     prefix = next((k.split("/")[0] for k in present if "/" in k), None)
     if prefix is not None:
         examples.append(f"-k {shlex.quote(prefix + '/*')}")

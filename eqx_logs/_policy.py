@@ -1,6 +1,5 @@
 """Policy: which events a spool keeps and how each key is reduced."""
 
-import difflib
 import fnmatch
 import functools
 import zlib
@@ -14,6 +13,7 @@ from jaxtyping import PRNGKeyArray
 from ._buffers import DROP, Window, as_reduction
 from ._checks import check_count
 from ._reductions import AbstractReduction
+from ._spelling import closest
 
 
 def _strings(name: str, value: Any, *, optional: bool) -> tuple[str, ...] | None:
@@ -194,21 +194,30 @@ def unmatched(
     traced carry and the `keys` kept (`selected`: whether any event was).
 
     - `tags` that selected none of the events: said with the tags logged.
-    - An `exclude` tag or a `rules` pattern that matches nothing while a tag or key close to
-        it (by spelling, or by case) was logged: said with that tag or key. One that matches
+    - A `tags` or `exclude` tag or a `rules` pattern that matches nothing while a tag or key
+        close to it (`_spelling.closest`: by case, one edit, two letters swapped) was logged:
+        said with that tag or key. One that matches
         nothing and resembles nothing stays silent, as a shared configuration excluding a
         tag the program does not log (Hydra's `exclude: [debug]`) is correct.
     """
     found = []
     seen = sorted(tags)
-    if policy.tags is not None and not selected:
-        found.append(
-            f"{who}(tags={policy.tags!r}) selected none of the events traced; the tags logged "
-            f"are {seen if seen else 'none (every log is untagged)'}. Events a spool or tap "
-            "does not select pass to an enclosing one, or are dropped."
-        )
+    if policy.tags is not None:
+        typos = [(t, near) for t in policy.tags if t not in tags and (near := closest(t, seen))]
+        meant = "".join(f" Did you mean {near!r} for {t!r}?" for t, near in typos)
+        if not selected:
+            found.append(
+                f"{who}(tags={policy.tags!r}) selected none of the events traced; the tags "
+                f"logged are {seen if seen else 'none (every log is untagged)'}.{meant} Events "
+                "a spool or tap does not select pass to an enclosing one, or are dropped."
+            )
+        elif typos:
+            found.append(
+                f"{who}(tags={policy.tags!r}): no event traced carries "
+                f"{', '.join(repr(t) for t, _ in typos)}.{meant} The tags logged are {seen}."
+            )
     for tag in policy.exclude:
-        if tag not in tags and (near := _near(tag, seen, _same_tag)):
+        if tag not in tags and (near := closest(tag, seen)):
             found.append(
                 f"{who}(exclude={tag!r}): no event traced carries that tag; did you mean "
                 f"{near!r}? The tags logged are {seen}."
@@ -219,7 +228,7 @@ def unmatched(
         if any(fnmatch.fnmatchcase(k, pattern + "/*") for k in keys):
             near = pattern + "/*"  # `"grad"` for the keys under `grad/`
         else:
-            near = _near(pattern, sorted(keys), _matches)
+            near = closest(pattern, sorted(keys), fnmatch.translate)
         if near:
             found.append(
                 f"{who}(rules={{{pattern!r}: ...}}): the pattern matches none of the keys "
@@ -227,28 +236,6 @@ def unmatched(
                 "case against whole keys (`'grad/*'`)."
             )
     return found
-
-
-def _same_tag(tag: str, logged: str) -> bool:
-    return tag.lower() == logged.lower()
-
-
-def _matches(pattern: str, key: str) -> bool:
-    return fnmatch.fnmatchcase(key, pattern)
-
-
-def _near(word: str, among: list[str], same: Any) -> str | None:
-    """The first of `among` that `word` is a likely typo of: the same but for case (`same`
-    compares lowercased), or with one character too many (`"grads/*"`), or spelt alike
-    (difflib's ratio 0.8). A name that merely shares a prefix (`"window"` beside
-    `"window_max"`, a key this program does not log) is none."""
-    shorter = [word[:i] + word[i + 1 :] for i in range(len(word))] if len(word) > 3 else []
-    variants = [word.lower()] + [v for v in shorter if v.strip("*?")]
-    for x in among:
-        if same(variants[0], x.lower()) or any(same(v, x) for v in variants[1:]):
-            return x
-    close = difflib.get_close_matches(word, among, n=1, cutoff=0.8)
-    return close[0] if close else None
 
 
 @functools.cache

@@ -234,3 +234,21 @@ def read_tensorboard(rundir) -> tuple[dict, dict]:
             assert sum(h.bucket) == h.num, f"{t}: bucket counts do not add up"
             histograms[t].append((e.step, (h.min, h.max, h.num, h.sum, h.sum_squares)))
     return scalars, histograms
+
+
+def one_edit_away(name: str, alphabet: str) -> set[str]:
+    """Every string one typo from `name`, enumerated (a reference for the likely-typo rule):
+    a character of `alphabet` inserted or put in place of one, a character deleted, or two
+    swapped that are side by side or have one between them."""
+    out = {name}
+    for i in range(len(name) + 1):
+        out |= {name[:i] + c + name[i:] for c in alphabet}
+    for i in range(len(name)):
+        out.add(name[:i] + name[i + 1 :])
+        out |= {name[:i] + c + name[i + 1 :] for c in alphabet}
+        for j in (i + 1, i + 2):
+            if j < len(name):
+                chars = list(name)
+                chars[i], chars[j] = chars[j], chars[i]
+                out.add("".join(chars))
+    return out

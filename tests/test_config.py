@@ -1055,6 +1055,24 @@ def test_plot_cli_lists_the_keys_when_no_key_matches(tmp_path, capsys):
     assert f"error: no scalar values in {tmp_path / 'vec.jsonl'} (its keys: v)" in err, err
 
 
+@pytest.mark.fast
+def test_plot_cli_suggests_the_key_a_swapped_k_misspells(tmp_path, capsys):
+    """`-k lsos`: the example is `loss`, one swap away (difflib alone ranks `lost` as high,
+    and took it); `-k 'gard/*'`: a key under `grad/`."""
+    from eqx_logs._plot import main
+
+    log = tmp_path / "logs.jsonl"
+    rows = [("loss", 1.5), ("lost", 0.5), ("grad/layer0", 0.5), ("gate", 1.0)]
+    log.write_text(
+        "".join(json.dumps({"run": 0, "key": k, "value": v, "step": 0}) + "\n" for k, v in rows)
+    )
+    assert main(["plot", str(log), "-k", "lsos"]) == 2
+    assert "e.g. -k loss, -k 'grad/*';" in capsys.readouterr().err
+    assert main(["plot", str(log), "-k", "gard/*"]) == 2
+    assert "e.g. -k grad/layer0, -k 'grad/*';" in capsys.readouterr().err
+    assert not list(tmp_path.glob("*.png"))
+
+
 def test_plot_cli_version_and_without_matplotlib(tmp_path):
     import eqx_logs
 

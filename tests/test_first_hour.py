@@ -224,6 +224,58 @@ def test_an_exclude_tag_or_rule_that_resembles_a_logged_one_is_said(options, sai
             eqx_logs.tap(_tagged, callback=lambda logs, steps: None, **options)(x)
 
 
+@pytest.mark.parametrize(
+    "options, said",
+    [
+        (dict(exclude="degub"), r"exclude='degub'\): no event traced .*did you mean 'debug'"),
+        (dict(exclude="dbeug"), r"exclude='dbeug'\).*did you mean 'debug'"),
+        (
+            dict(tags=("train", "degub")),
+            r"tags=\('train', 'degub'\)\): no event traced carries 'degub'\. Did you mean "
+            r"'debug' for 'degub'\? The tags logged are \['debug', 'train'\]",
+        ),
+        (dict(tags="trian"), r"tags=\('trian',\)\) selected none.*Did you mean 'train'"),
+        (dict(policy=eqx_logs.Policy(rules={"lsos": "max"})), r"'lsos'.*did you mean 'loss'"),
+        (
+            dict(policy=eqx_logs.Policy(rules={"gard/*": "max"})),
+            r"rules=\{'gard/\*': ...\}.*did you mean 'grad/w'",
+        ),
+    ],
+)
+def test_swapped_letters_are_a_likely_typo(options, said):
+    # before: difflib's ratio alone, 0.6 for "degub" and "debug", said nothing
+    x = jnp.ones(3)
+    with pytest.warns(UserWarning, match=said) as got:
+        eqx_logs.spool(_tagged, **options)(x)  # typo-call
+    assert got[0].filename == __file__
+    if "policy" not in options:  # (a tap refuses rules other than "drop")
+        with pytest.warns(UserWarning, match=said):
+            eqx_logs.tap(_tagged, callback=lambda logs, steps: None, **options)(x)
+
+
+def test_the_likely_typo_rule_against_an_enumeration():
+    """`_spelling.closest` of plain names, for all short words over a small alphabet,
+    against every string one typo away, enumerated (`helpers.one_edit_away`); and the
+    rules it adds to that: case, and difflib's ratio 0.8 for the rest."""
+    import difflib
+    import itertools
+
+    from helpers import one_edit_away
+
+    from eqx_logs._spelling import closest
+
+    for name in ["debug", "trian", "loss", "abab", "grad"]:
+        alphabet = "".join(sorted(set(name))) + "x"
+        typos = one_edit_away(name, alphabet)
+        for n in range(len(name) - 1, min(len(name) + 1, 5) + 1):
+            for word in map("".join, itertools.product(alphabet, repeat=n)):
+                ratio = difflib.SequenceMatcher(None, name, word).ratio()  # (as difflib)
+                want = (len(word) >= 4 and word in typos) or ratio >= 0.8
+                assert (closest(word, [name]) == name) == want, (word, name)
+        assert closest(name.upper(), [name]) == name
+    assert closest("lr", ["rl"]) is None and closest("window", ["window_max"]) is None
+
+
 def test_exclude_and_rules_that_resemble_nothing_are_silent():
     """A shared configuration may exclude a tag (Hydra's `exclude: [debug]`) or name a key the
     program does not log: correct code."""
