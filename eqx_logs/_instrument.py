@@ -12,7 +12,7 @@ import jax.tree_util as jtu
 
 from . import _compat
 from ._primitive import _call_site, bind, current_prefix, grad_tap
-from ._spool import update_wrapper
+from ._spool import update_wrapper, without_missing
 from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
 
 _M = TypeVar("_M")
@@ -189,7 +189,7 @@ def instrument(
         ```python
         mlp = eqx_logs.instrument(eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0)), grads=True)
         grads, logs = eqx_logs.spool(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(mlp, x)
-        logs["layers[1]/rms"], logs["layers[1]/grad/norm"]
+        logs["layers[1]/rms"], logs["layers[1]/grad/rms"]
         ```
     """
     stats = check_stats(stats, "eqx_logs.instrument")
@@ -259,6 +259,6 @@ def _map_submodules(fun: Callable[[str, Any], Any], model: Any) -> Any:
         def is_module(x: Any) -> bool:
             return x is not node and isinstance(x, eqx.Module)
 
-        return jtu.tree_map_with_path(visit, node, is_leaf=is_module)
+        return without_missing(jtu.tree_map_with_path(visit, node, is_leaf=is_module))
 
     return children(model, ())

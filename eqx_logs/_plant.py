@@ -12,7 +12,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import ArrayLike, PyTree
 
-from . import _compat, _nnx
+from . import _compat
 from ._interpret import (
     Interpreter,
     Spool,
@@ -32,7 +32,7 @@ from ._primitive import (
 )
 from ._reductions import Count
 from ._rules import RULES
-from ._spool import build_wrapper, trace_filtered
+from ._spool import build_wrapper, carrying, trace_filtered
 
 _T = TypeVar("_T")
 
@@ -184,19 +184,17 @@ class _Planted(eqx.Module):
         return self.fun
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return carrying(self, "eqx_logs.plant", _Planted._run, args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         if _compat.is_traced((args, kwargs, self.values)):
             return _plant_run(self.fun, self.values, args, kwargs)
-        out, written = _plant_call(self.fun, self.values, args, kwargs)
-        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
-            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.plant")
-        return out
+        return _plant_call(self.fun, self.values, args, kwargs)
 
 
 @eqx.filter_jit
 def _plant_call(fun, values, args, kwargs):
-    before = _nnx.snapshot((fun, args, kwargs))
-    out = _plant_run(fun, values, args, kwargs)
-    return out, _nnx.updates(before, (fun, args, kwargs), "eqx_logs.plant") or None
+    return _plant_run(fun, values, args, kwargs)
 
 
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:

@@ -136,6 +136,20 @@ _WRAPPER_FIELDS: dict[str, tuple[tuple[type, ...], Any]] = {
 }
 
 
+def without_missing(module: Any) -> Any:
+    """`module` (rebuilt by `tree_unflatten`) without the wrapper fields Equinox set to its
+    `Missing` sentinel: a module with a custom `__init__` that leaves a field at its class
+    default is flattened with Equinox's wrapper fields, so a copy of it (`jax.tree.map`) is
+    named `Missing`, and `eqx.filter_jit`, which names its computation after it, raises
+    `TypeError: __name__ must be set to a string object`. Returns `module`, changed in place
+    (it was just made)."""
+    fields = getattr(module, "__dict__", {})
+    for name, (kinds, _) in _WRAPPER_FIELDS.items():
+        if name in fields and not isinstance(fields[name], kinds):
+            del fields[name]
+    return module
+
+
 # Equinox warns when a Module field holds a JAX-transformed callable whose arrays it cannot
 # see (`jax.vmap(model)`): a gradient with respect to the Module would miss them. A wrapper
 # calls the callable as given, as `jax.vmap(model)` alone would: no warning for correct code.
@@ -157,7 +171,8 @@ def build_wrapper(cls: Callable[..., _W], *fields: Any) -> _W:
 
 def update_wrapper(wrapper: _W) -> _W:
     """`eqx.module_update_wrapper(wrapper)`, for every public wrapper (spool, tap, plant, the
-    loggers'), with all the fields `functools.wraps` copies set.
+    loggers'), with all the fields `functools.wraps` copies set, its fields the objects given
+    (not copies), and marked as made here (see `rebuilt`).
 
     Equinox keeps a wrapper's copied fields through flattening as a whole: one it did not copy
     comes back from `tree_unflatten` as a `Missing` sentinel. A callable object (an Equinox
@@ -166,7 +181,14 @@ def update_wrapper(wrapper: _W) -> _W:
     `jax.named_call`) and `jax.jit` of it raised `TypeError: __name__ must be set to a string
     object`. Here each field is taken from the first of the wrapped function, those it wraps
     (`__wrapped__`) and the innermost one's class that has it: a model is named by its class,
-    as `eqx.filter_jit` names its computation."""
+    as `eqx.filter_jit` names its computation.
+
+    `module_update_wrapper` returns a copy made by flattening, whose fields are copies too.
+    A model with a custom `__init__` whose fields are not all set in its `__dict__` (a static
+    field left at its class default) is flattened with Equinox's wrapper fields, so its copy
+    has `__name__` set to `Missing`, and `eqx.filter_jit`, which names its computation after
+    the innermost wrapped object, raised that `TypeError` again. The fields are the objects
+    given: the model itself (and a Flax NNX model stays the caller's)."""
     chain = [wrapper.__wrapped__]  # pyright: ignore[reportAttributeAccessIssue]
     while len(chain) < 64 and hasattr(chain[-1], "__wrapped__"):
         chain.append(chain[-1].__wrapped__)
@@ -176,13 +198,44 @@ def update_wrapper(wrapper: _W) -> _W:
         values = (getattr(f, field, _ABSENT) for f in chain)
         setattr(names, field, next((v for v in values if isinstance(v, kinds)), default))
     out = eqx.module_update_wrapper(wrapper, names)
-    # `module_update_wrapper` copies the fields' pytrees: a Flax NNX model (or a wrapper of
-    # one) is kept itself, so that what changes in its Variables is the user's (see `_nnx.py`)
     for field in dataclasses.fields(wrapper):
-        value = getattr(wrapper, field.name, None)
-        if _nnx.has_variables(value):
-            object.__setattr__(out, field.name, value)
+        object.__setattr__(out, field.name, getattr(wrapper, field.name))
+    out.__dict__[_MADE] = True
     return out
+
+
+# set on a wrapper by `update_wrapper`; a copy made by flattening (`eqx.filter_jit(spool(f))`
+# rebuilds `spool(f)` inside its trace) does not have it
+_MADE = "_eqx_logs_made"
+
+
+def rebuilt(wrapper: eqx.Module) -> bool:
+    """Whether `wrapper` was rebuilt from its leaves by a transform (not made by its
+    constructor): the Flax NNX objects it is called on are then that transform's copies."""
+    return _MADE not in wrapper.__dict__
+
+
+def with_fun(wrapper: _W, fun: Callable) -> _W:
+    """`wrapper` calling `fun` instead (a `_nnx.Merging` of its function)."""
+    out = object.__new__(type(wrapper))
+    out.__dict__.update(wrapper.__dict__)
+    out.__dict__["fun"] = fun
+    return out
+
+
+def carrying(
+    wrapper: Any, where: str, run: Callable, args: tuple, kwargs: dict, logs: bool = False
+) -> Any:
+    """`run(wrapper, args, kwargs)`, the Flax NNX objects in `wrapper.fun`, `args` and
+    `kwargs` carried as `nnx.jit` carries them (see `_nnx.py`). `run` returns the function's
+    output, or with `logs` a pair `(output, logs)`."""
+    carry = _nnx.carry(wrapper.fun, args, kwargs)
+    if carry is None:
+        return run(wrapper, args, kwargs)
+    result = run(with_fun(wrapper, carry.fun), carry.args, carry.kwargs)
+    (out, after), rest = result if logs else (result, None)
+    carry.finish(after, where, rebuilt(wrapper))
+    return (out, rest) if logs else out
 
 
 @functools.lru_cache(maxsize=256)  # bounded: it keeps the functions alive
@@ -209,6 +262,9 @@ class _Spooled(eqx.Module):
         return self.fun
 
     def __call__(self, *args, **kwargs):
+        return carrying(self, "eqx_logs.spool", _Spooled._run, args, kwargs, logs=True)
+
+    def _run(self, args: tuple, kwargs: dict) -> tuple[Any, LogDict]:
         if _compat.is_traced((args, kwargs)):
             # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
             # nested jit would be traced, then differentiated or batched, again)
@@ -216,9 +272,7 @@ class _Spooled(eqx.Module):
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         static, arrays = _split(self)
         parts = (static, current_prefix(), arrays)
-        out, children, layout, written = _spool_call(parts, args, kwargs)
-        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
-            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.spool")
+        out, children, layout = _spool_call(parts, args, kwargs)
         return out, LogDict.tree_unflatten(layout.value, children)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
@@ -229,19 +283,14 @@ class _Spooled(eqx.Module):
 def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:
     """Trace `fun(*args, **kwargs)` with logging on, filtered like `eqx.filter_jit` (arrays are
     inputs, everything else is static). Returns the jaxpr, its inputs, and a function that
-    rebuilds `fun`'s output from the jaxpr's outputs. What `fun` writes in place into the
-    Flax NNX Variables of its (traced copies of its) arguments is an output too, and
-    `rebuild` writes it into those of `fun`, `args` and `kwargs` (see `_nnx.py`)."""
+    rebuilds `fun`'s output from the jaxpr's outputs."""
     dynamic, static = eqx.partition((fun, args, kwargs), eqx.is_array)
     flat, treedef = jtu.tree_flatten(dynamic)
     out_structure = []
 
     def flat_fun(*flat_args):
         f, a, k = eqx.combine(jtu.tree_unflatten(treedef, flat_args), static)
-        before = _nnx.snapshot((f, a, k))
-        out = f(*a, **k)
-        written = _nnx.updates(before, (f, a, k), "eqx_logs")
-        out_dynamic, out_static = eqx.partition((out, written), eqx.is_array)
+        out_dynamic, out_static = eqx.partition(f(*a, **k), eqx.is_array)
         leaves, out_def = jtu.tree_flatten(out_dynamic)
         out_structure.append((out_def, out_static))
         return leaves
@@ -251,9 +300,7 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
     def rebuild(outs):
         out_def, out_static = out_structure[-1]
-        out, written = eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
-        _nnx.apply((fun, args, kwargs), written, "eqx_logs")
-        return out
+        return eqx.combine(jtu.tree_unflatten(out_def, outs), out_static)
 
     return closed, flat, rebuild
 
@@ -300,9 +347,7 @@ def _split(spooled: "_Spooled") -> tuple[_Static, list[Any]]:
         leaves, treedef = jtu.tree_flatten((spooled.fun, spooled.policy))
         arrays = [x for x in leaves if eqx.is_array(x)]
         static = tuple(None if eqx.is_array(x) else x for x in leaves)
-        hit = (_Static((static, treedef, spooled.keep)), arrays)
-        if not _nnx.has_variables(spooled.fun):  # (an NNX model's arrays change in place)
-            _SPLITS[spooled] = hit
+        hit = _SPLITS[spooled] = (_Static((static, treedef, spooled.keep)), arrays)
     return hit
 
 
@@ -314,13 +359,11 @@ def _spool_call(parts, args, kwargs):  # few parameters: eqx binds them per call
     leaves = [next(arrays) if x is None else x for x in leaves]
     fun, policy = jtu.tree_unflatten(treedef, leaves)
     note_compile("eqx_logs.spool", static, fun, args, kwargs)
-    before = _nnx.snapshot((fun, args, kwargs))
     out, logs = _spool_run(fun, policy, keep, args, kwargs)
-    written = _nnx.updates(before, (fun, args, kwargs), "eqx_logs.spool")
     # the LogDict leaves as a list, its structure static: Equinox splits and rebuilds a
     # list faster than a LogDict, and the caller rebuilds that once
     children, layout = logs.tree_flatten()
-    return out, children, _Static(layout), written or None
+    return out, children, _Static(layout)
 
 
 def nolog(fun: Callable[..., _T]) -> Callable[..., _T]:

@@ -9,13 +9,13 @@ import equinox as eqx
 import jax.tree_util as jtu
 import numpy as np
 
-from . import _compat, _nnx
+from . import _compat
 from ._buffers import Stack
 from ._interpret import Interpreter, warn_unmatched
 from ._policy import Policy, with_options
 from ._primitive import current_prefix
 from ._retrace import fun_key, note_compile
-from ._spool import build_wrapper, trace_filtered
+from ._spool import build_wrapper, carrying, trace_filtered
 from ._tapping import TAP_RULES, Tap
 
 _T = TypeVar("_T")
@@ -226,15 +226,15 @@ class _Tapped(eqx.Module):
         return self.fun
 
     def __call__(self, *args, **kwargs):
+        return carrying(self, "eqx_logs.tap", _Tapped._run, args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
         sink = (self.sink, self.every_process, self.buffer)
         # (whether the call is eager: compiling again for a static argument of an enclosing
         # `jax.jit` is the user's choice, and not said)
         scope = (current_prefix(), not _compat.is_traced((args, kwargs)))
-        out, written = _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
-        if written:  # new values of Flax NNX Variables, written in place (see `_nnx.py`)
-            _nnx.apply((self.fun, args, kwargs), written, "eqx_logs.tap")
-        return out
+        return _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
@@ -255,11 +255,9 @@ def _tap_call(fun, policy, sink, scope, context, args, kwargs):
     _, eager = scope  # (the prefix is part of the cache key only)
     if eager:
         note_compile("eqx_logs.tap", fun_key(fun), fun, args, kwargs)
-    before = _nnx.snapshot((fun, args, kwargs))
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     sink, every_process, buffer = sink
     interpreter = Interpreter(policy, TAP_RULES, Tap(sink, every_process, context, buffer))
     outs = interpreter.run(closed, flat)
     warn_unmatched(interpreter, "eqx_logs.tap")
-    out = rebuild(outs)
-    return out, _nnx.updates(before, (fun, args, kwargs), "eqx_logs.tap") or None
+    return rebuild(outs)

@@ -1,7 +1,6 @@
 """Logs inside real libraries' code: optimistix's solvers, lineax's linear operators, Flax NNX
 training steps (issue 24, item 6). Errors name what the user wrote; what can work, works."""
 
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -324,26 +323,6 @@ def test_spool_of_an_nnx_model_updates_its_statistics():
     model.out.bias[...] = jnp.full((1,), 5.0)
     twin.out.bias[...] = jnp.full((1,), 5.0)
     assert_close(spooled(_X)[0], twin(_X), "output after an outside change")
-
-
-def test_nnx_structure_change_in_place_is_refused():
-    """`sow` adds an attribute in place: that cannot be carried out of the spool's trace, so it
-    is an error naming the functional way, never a silent loss."""
-    nnx, _, _ = _nnx_setup()
-
-    class Sows(nnx.Module):
-        def __init__(self):
-            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-
-        def __call__(self, x):
-            h = self.lin(x)
-            self.sow(nnx.Intermediate, "h", h)
-            return h
-
-    with warnings.catch_warnings(), pytest.raises(ValueError, match="nnx.split") as info:
-        warnings.simplefilter("ignore", DeprecationWarning)
-        el.spool(lambda m, x: m(x))(Sows(), jnp.ones(2))
-    assert "changes the structure of a Flax NNX object" in str(info.value)
 
 
 # -- eqx.internal.noinline: its function is a parameter, in no jaxpr ---------------------------

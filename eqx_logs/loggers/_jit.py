@@ -81,22 +81,25 @@ def _compiled(key: Any) -> dict[Any, Any]:
     return _COMPILED[key]
 
 
+_CARRIED = object()  # in place of a compiled step: the arguments hold Flax NNX objects
+
+
 class Jit:
     """`fun` compiled as by `eqx.filter_jit(fun, donate=donate)`, called without waiting
     for the device. (`fun`'s own arrays are passed to each call, never donated.)"""
 
-    def __init__(self, fun: Callable, donate: Donate = "none"):
+    def __init__(self, fun: Callable, donate: Donate = "none", *, first: int = 1):
         if donate not in ("all", "all-except-first", "warn", "none"):
             raise ValueError(
                 f"logger.jit(donate={donate!r}): one of 'all', 'all-except-first', 'warn', "
                 "'none' (as for `eqx.filter_jit`)."
             )
-        self.fun, self.donate = fun, donate
+        self.fun, self.donate, self._first = fun, donate, first
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split, self._fun_arrays = _split(leaves)
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
-        # an NNX model's arrays change in place: read at each call (as `_spool._split` does)
-        self._mutable = _nnx.has_variables(fun)
+        # a Flax NNX model changes in place: carried out of each call as `nnx.jit` does
+        self._carries = _nnx.has_variables(fun)
         try:  # to bind arguments as `eqx.filter_jit` does
             self._signature: inspect.Signature | None = inspect.signature(fun)
         except (TypeError, ValueError):  # (a callable without one: arguments as given)
@@ -104,6 +107,8 @@ class Jit:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         jitted, arrays = self._prepare(args, kwargs)
+        if jitted is _CARRIED:
+            return self._carried(args, kwargs, "__call__")
         if self.donate in ("all", "all-except-first"):  # as Equinox: no warning for these
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", "Some donated buffers were not usable")
@@ -116,13 +121,31 @@ class Jit:
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The `jax.stages.Lowered` of a call with these arguments."""
         jitted, arrays = self._prepare(args, kwargs)
+        if jitted is _CARRIED:
+            return self._carried(args, kwargs, "lower")
         return jitted.lower(*self._fun_arrays, *arrays)
 
+    def _carried(self, args: tuple, kwargs: dict, method: str) -> Any:
+        """A call on Flax NNX objects: split out, merged inside, and their new state written
+        back, as `nnx.jit` does (see `_nnx.py`); their arrays are donated with
+        `donate="all"` alone."""
+        if kwargs:
+            args, kwargs = self._bind(args, kwargs)
+        carry = _nnx.carry(self.fun, args, kwargs)
+        assert carry is not None
+        # (the state comes first: `all-except-first` keeps it and the first argument)
+        jitted = Jit(carry.fun, self.donate, first=2)
+        if method == "lower":
+            return jitted.lower(*carry.args, **carry.kwargs)
+        out, after = jitted(*carry.args, **carry.kwargs)
+        carry.finish(after, "logger.jit", rebuilt=False)
+        return out
+
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
+        if self._carries:
+            return _CARRIED, []
         if kwargs:  # as `eqx.filter_jit`: `f(x=1)` is `f(1)`; `donate`'s first: `f`'s first
             args, kwargs = self._bind(args, kwargs)
-        if self._mutable:
-            self._fun_arrays = list(compress(jtu.tree_leaves(self.fun), self._fun_split[0]))
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         split, arrays = _split(leaves)
         key = (treedef, split)
@@ -131,7 +154,11 @@ class Jit:
         except TypeError:  # a leaf neither an array nor hashable
             raise TypeError(_unhashable(args, kwargs)) from None
         if jitted is None:
-            jitted = self._compiled[key] = self._compile(treedef, split, args)
+            if _nnx.holds_nodes(treedef):
+                jitted = _CARRIED
+            else:
+                jitted = self._compile(treedef, split, args)
+            self._compiled[key] = jitted
         return jitted, arrays
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -151,13 +178,15 @@ class Jit:
             out_split, values = _split(leaves)
             return values, _Static((out_def, out_split))
 
-        name = getattr(self.fun, "__name__", type(self.fun).__name__)
-        call.__name__ = call.__qualname__ = name
+        name = getattr(self.fun, "__name__", None)  # (an Equinox copy's may be `Missing`)
+        call.__name__ = call.__qualname__ = (
+            name if isinstance(name, str) else type(self.fun).__name__
+        )
         n_args = sum(split[0])
         if self.donate == "none":
             donated = ()
         else:
-            first = sum(eqx.is_array(x) for x in jtu.tree_leaves(args[:1]))
+            first = sum(eqx.is_array(x) for x in jtu.tree_leaves(args[: self._first]))
             skip = first if self.donate == "all-except-first" else 0
             donated = tuple(range(n_fun + skip, n_fun + n_args))
         return jax.jit(call, donate_argnums=donated)

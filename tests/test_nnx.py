@@ -1,0 +1,287 @@
+"""Flax NNX objects through every wrapper: state changed in place (Variables, the array
+attributes of an `nnx.Pytree`, a BatchNorm's statistics, a Dropout's key, an Optimizer's state,
+a Variable shared by two submodules, attributes added by `sow`) leaves the caller's objects
+exactly as `nnx.jit` leaves them, or raises naming what cannot be carried."""
+
+import warnings
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_logs as el
+from eqx_logs import loggers
+
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+
+
+class Counter(nnx.Pytree):
+    """A plain array attribute, updated in place (no Variable)."""
+
+    def __init__(self):
+        self.data = jnp.zeros(())
+
+
+class Model(nnx.Module):
+    def __init__(self, rngs):
+        self.enc = nnx.Linear(3, 4, rngs=rngs)
+        self.bn = nnx.BatchNorm(4, rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+        self.tied = self.enc.kernel  # one Param in two places: it must stay one
+
+    def __call__(self, x):
+        h = nnx.relu(self.drop(self.bn(self.enc(x))))
+        el.log("h", jnp.mean(h))
+        return self.head(h) + jnp.sum(self.tied[...])
+
+
+def make():
+    model = Model(nnx.Rngs(params=0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+    return model, optimizer, Counter()
+
+
+def step(model, optimizer, counter, x, y, i):
+    def loss_fn(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    el.log({"loss": loss}, step=i)
+    optimizer.update(model, grads)
+    counter.data = counter.data + 1.0
+    return loss
+
+
+X = jax.random.normal(jax.random.key(0), (8, 3))
+Y = jnp.ones((8, 1))
+STEPS = 3
+
+
+def _state(*objects):
+    leaves = jax.tree.leaves(nnx.state(objects))
+    return [
+        np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+        for x in leaves
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """`nnx.jit(step)`'s losses and final state."""
+    model, optimizer, counter = make()
+    jitted = nnx.jit(step)
+    losses = [float(jitted(model, optimizer, counter, X, Y, jnp.int32(i))) for i in range(STEPS)]
+    assert model.tied is model.enc.kernel
+    return losses, _state(model, optimizer, counter)
+
+
+def _loss(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+WRAPPERS = {
+    "spool": lambda log: el.spool(step),
+    "spool(nnx.jit)": lambda log: el.spool(nnx.jit(step)),
+    "nnx.jit(spool)": lambda log: nnx.jit(el.spool(step)),
+    "tap": lambda log: el.tap(step, callback=lambda logs, steps: None),
+    "nnx.jit(tap)": lambda log: nnx.jit(el.tap(step, callback=lambda logs, steps: None)),
+    "plant": lambda log: el.plant(step, {}),
+    "logger.spool": lambda log: log.spool(step, log.init()),
+    "logger.tap": lambda log: log.tap(step, log.init()),
+    "logger.jit": lambda log: log.jit(step, log.init()),
+    "logger.jit(interval=2)": lambda log: log.jit(step, log.init(), interval=2),
+    "logger.jit(nnx.jit)": lambda log: log.jit(nnx.jit(step), log.init()),
+    "logger.jit(donate='all')": lambda log: log.jit(step, log.init(), donate="all"),
+    "jax.jit(spool) of a split": None,  # the functional form Flax documents, below
+}
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_every_wrapper_carries_nnx_state_as_nnx_jit(name, reference, tmp_path):
+    """Losses, parameters, BatchNorm statistics, the Dropout key's count, the optimizer's
+    state and a `nnx.Pytree`'s array attribute after the loop equal `nnx.jit`'s; the tied
+    Param stays one object; the logged losses are the returned ones."""
+    want_losses, want_state = reference
+    model, optimizer, counter = make()
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    if name == "jax.jit(spool) of a split":
+
+        @jax.jit
+        def functional(graphdef, state, x, y, i):
+            model, optimizer, counter = nnx.merge(graphdef, state)
+            out = el.spool(step)(model, optimizer, counter, x, y, i)
+            return out, nnx.state((model, optimizer, counter))
+
+        graphdef, state = nnx.split((model, optimizer, counter))
+
+        def wrapped(model, optimizer, counter, x, y, i):
+            nonlocal state
+            out, state = functional(graphdef, state, x, y, i)
+            nnx.update((model, optimizer, counter), state)
+            return out
+    else:
+        wrapped = WRAPPERS[name](logger)
+    losses = []
+    for i in range(STEPS):
+        out = wrapped(model, optimizer, counter, X, Y, jnp.int32(i))
+        losses.append(float(_loss(out)))
+        if isinstance(out, tuple):
+            np.testing.assert_allclose(out[1]["loss"], [out[0]], rtol=1e-6)
+    logger.close()
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for got, want in zip(_state(model, optimizer, counter), want_state, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert float(counter.data) == STEPS
+    assert model.tied is model.enc.kernel
+    if name.startswith("logger."):
+        rows = [r for r in loggers.read_jsonl(tmp_path / "run.jsonl") if r["key"] == "loss"]
+        kept = range(0, STEPS, 2) if "interval" in name else range(STEPS)
+        assert [r["step"] for r in rows] == list(kept)
+        np.testing.assert_allclose([r["value"] for r in rows], [want_losses[i] for i in kept])
+
+
+def test_an_nnx_pytree_alone_is_carried():
+    """An `nnx.Pytree` whose plain array attribute is updated in place, alone or beside a
+    module: `nnx.jit` gives 1.0, so does each wrapper (it stayed 0.0, or raised a wrong
+    "changes the structure" error)."""
+
+    def bump(c, *rest):
+        c.data = c.data + 1.0
+        el.log("data", c.data)
+        return c.data
+
+    for rest in [(), (nnx.Linear(2, 2, rngs=nnx.Rngs(0)),)]:
+        for wrap in (nnx.jit, el.spool, el.tap, lambda f: el.plant(f, {})):
+            c = Counter()
+            wrap(bump)(c, *rest)
+            assert float(c.data) == 1.0, (wrap, rest)
+
+
+def test_flax_carry_pytree_sow():
+    """Flax's own `test_carry_pytree_sow` (an `nnx.scan` over a method with an `nnx.Pytree`
+    carry that sows, under `nnx.jit`), spooled, with a log in the scanned step: the carry, the
+    sown intermediates popped from the model, and the logs."""
+
+    class CarryAsPytree(nnx.Pytree):
+        def __init__(self, data):
+            self.data = data
+
+    class Sowing(nnx.Module):
+        def __init__(self, num_steps):
+            self.fc = nnx.Linear(10, 10, rngs=nnx.Rngs(0))
+            self.num_steps = num_steps
+
+        def _step(self, state):
+            new_data = state.data + 1
+            self.sow(nnx.Intermediate, "data", new_data)
+            el.log("data", new_data)
+            state.data = new_data
+            return state
+
+        @nnx.jit(static_argnames=("method",))
+        def __call__(self, state, method):
+            state_axes = nnx.StateAxes({nnx.Intermediate: 0, ...: nnx.Carry})
+            return nnx.scan(method, in_axes=(state_axes, nnx.Carry), out_axes=nnx.Carry, length=5)(
+                self, state
+            )
+
+    model = Sowing(num_steps=5)
+    run = el.spool(lambda m, c: m(c, method=Sowing._step))
+    final, logs = run(model, CarryAsPytree(jnp.array(0.0)))
+    intermediates = nnx.pop(model, nnx.Intermediate)
+    assert float(final.data) == 5
+    np.testing.assert_array_equal(intermediates["data"][0], np.arange(1.0, 6.0))
+    np.testing.assert_array_equal(logs["data"], np.arange(1.0, 6.0))
+
+
+@pytest.mark.parametrize("wrap", ["spool", "logger.jit"])
+def test_sow_adds_the_attribute_as_nnx_jit_does(wrap, tmp_path):
+    """`sow` adds an attribute in place: carried out as `nnx.jit` carries it (it used to be
+    refused)."""
+
+    class Sows(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            h = self.lin(x)
+            self.sow(nnx.Intermediate, "h", h)
+            el.log("h", jnp.sum(h))
+            return h
+
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    want, got = Sows(), Sows()
+    nnx.jit(lambda m, x: m(x))(want, jnp.ones(2))
+    fun = {"spool": el.spool, "logger.jit": lambda f: logger.jit(f, logger.init())}[wrap]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        fun(lambda m, x: m(x))(got, jnp.ones(2))
+    logger.close()
+    assert nnx.graphdef(got) == nnx.graphdef(want)
+    for a, b in zip(_state(got), _state(want), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "transform", [eqx.filter_jit, eqx.filter_vmap], ids=["filter_jit", "filter_vmap"]
+)
+@pytest.mark.parametrize("wrapper", ["spool", "tap", "logger.spool", "logger.jit"])
+def test_a_transform_that_drops_nnx_state_raises(transform, wrapper, tmp_path):
+    """`eqx.filter_jit(spool(step))`: Equinox rebuilds the wrapper and the objects inside its
+    trace and drops them after, as it does for `eqx.filter_jit(step)`; a call that changes
+    them raises, naming `nnx.jit` and `logger.jit`, rather than lose the update in silence. A
+    call that changes nothing is left alone."""
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    wrap = {
+        "spool": el.spool,
+        "tap": lambda f: el.tap(f, callback=lambda logs, steps: None),
+        "logger.spool": lambda f: logger.spool(f, logger.init()),
+        "logger.jit": lambda f: logger.jit(f, logger.init()),
+    }[wrapper]
+
+    def bump(c, x):
+        c.data = c.data + jnp.sum(x)
+        el.log("x", jnp.sum(x))
+        return x
+
+    def read(c, x):
+        el.log("x", jnp.sum(x))
+        return x + c.data
+
+    batched = transform is eqx.filter_vmap
+    x = jnp.ones((2, 3)) if batched else jnp.ones(3)
+
+    def counter():
+        c = Counter()
+        c.data = jnp.zeros(2) if batched else c.data
+        return c
+
+    with pytest.raises(ValueError, match="nnx.jit") as info:
+        transform(wrap(bump))(counter(), x)
+    assert "does not carry NNX state" in str(info.value)
+    out = transform(wrap(read))(counter(), x)
+    np.testing.assert_allclose(out[0] if isinstance(out, tuple) else out, x)
+    logger.close()
+
+
+def test_an_equinox_model_beside_nnx_objects():
+    """An Equinox model and an NNX module in one call: the Equinox model is a pytree as
+    before (traced, not carried), the NNX module carried."""
+    mlp = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
+    lin = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+
+    def f(mlp, lin, x):
+        lin.bias[...] = lin.bias[...] + 1.0
+        y = mlp(x) + lin(x)
+        el.log("y", y)
+        return y
+
+    want = mlp(X[0]) + lin(X[0]) + 1.0
+    out, logs = el.spool(f)(mlp, lin, X[0])
+    np.testing.assert_allclose(out, want, rtol=1e-6)
+    np.testing.assert_allclose(logs["y"][0], want, rtol=1e-6)
+    np.testing.assert_allclose(lin.bias[...], 1.0 + nnx.Linear(3, 1, rngs=nnx.Rngs(0)).bias[...])
