@@ -4,13 +4,14 @@ editing the model."""
 import dataclasses
 import functools
 import re
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
 
-from . import _compat
+from . import _compat, _nnx
 from ._primitive import _call_site, bind, current_prefix, grad_tap
 from ._spool import update_wrapper, without_missing
 from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
@@ -150,7 +151,10 @@ def instrument(
 
     **Arguments:**
 
-    - `model`: an Equinox model (any pytree holding `eqx.Module`s).
+    - `model`: an Equinox model (any pytree holding `eqx.Module`s), or a Flax NNX model:
+        then a new NNX graph is returned that shares `model`'s Variables (what a training
+        step writes into one is seen in the other), its submodules named by attribute path
+        (`"blocks[0].lin"`) and logged by instrumented subclasses of their classes.
     - `stats`: the statistics, names from `"mean"`, `"std"`, `"rms"`, `"absmax"`, `"min"`,
         `"max"`, `"norm"` and `"nonfinite"` (see `eqx_logs.log_stats`).
     - `grads`: also log, in the backward pass, the statistics of the cotangent of each
@@ -196,6 +200,8 @@ def instrument(
     if not isinstance(grads, bool):
         raise TypeError(f"eqx_logs.instrument(grads=...) takes a bool, got {grads!r}.")
     selected = _matcher(where)
+    if _nnx.find(model):
+        return _instrument_nnx(model, stats, grads, selected, where)
     found = []
 
     def wrap(path: str, module: Any) -> Any:
@@ -217,6 +223,68 @@ def instrument(
             f"{type(root).__name__}; its submodules are {every or 'none'}."
         )
     return instrumented
+
+
+@functools.cache
+def _instrumented_nnx_class(cls: type) -> type:
+    """`_instrumented_class` for a Flax NNX module class: the options are a static attribute
+    of each instance (in its graphdef), not a dataclass field."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self, _FIELD).log(cls.__call__(self, *args, **kwargs))
+
+    namespace = {
+        "__call__": __call__,
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+        "__doc__": cls.__doc__,
+    }
+    try:
+        return type(cls.__name__, (cls,), namespace)
+    except Exception as e:
+        raise TypeError(
+            f"eqx_logs.instrument cannot instrument {cls.__qualname__}: its class cannot be "
+            f"subclassed ({e}). Leave it out with `where=`."
+        ) from e
+
+
+def _nnx_path(parts: tuple) -> str:
+    """A path in an NNX graph, written as `jax.tree_util.keystr` writes an Equinox model's
+    (without the leading dot): `layers[0].attention`."""
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return out.lstrip(".")
+
+
+def _instrument_nnx(model: Any, stats: tuple, grads: bool, selected: Callable, where: Any):
+    """`instrument` of Flax NNX objects: a new graph (`nnx.merge` of `model`'s split, sharing
+    its Variables, so that what a training step writes into either is seen by both) whose
+    selected submodules are of an instrumented subclass of their class."""
+    nnx = sys.modules["flax.nnx"]
+    graphdef, state = nnx.split(model)
+    new = nnx.merge(graphdef, state)  # (the same Variables)
+    found = []
+    for parts, node in list(nnx.iter_graph(new)):
+        if not parts or not isinstance(node, nnx.Module) or not callable(node):
+            continue  # (the model itself, Variables, containers, an Rngs)
+        cls = type(node)
+        if getattr(node, _FIELD, None) is not None:  # instrumented already: again
+            cls = cls.__mro__[1]
+        path = _nnx_path(parts)
+        if not selected(path, node):
+            node.__class__ = cls
+            continue
+        found.append(path)
+        node.__class__ = _instrumented_nnx_class(cls)
+        object.__setattr__(node, _FIELD, _Options(path, stats, grads))
+    if where is not None and not found:
+        every = [_nnx_path(p) for p, n in nnx.iter_graph(new) if p and isinstance(n, nnx.Module)]
+        raise ValueError(
+            f"eqx_logs.instrument(where={where!r}) selects no submodule of "
+            f"{type(model).__name__}; its submodules are {every or 'none'}."
+        )
+    return new
 
 
 def _submodule_paths(model: Any) -> list[str]:

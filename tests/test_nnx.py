@@ -285,3 +285,73 @@ def test_an_equinox_model_beside_nnx_objects():
     np.testing.assert_allclose(out, want, rtol=1e-6)
     np.testing.assert_allclose(logs["y"][0], want, rtol=1e-6)
     np.testing.assert_allclose(lin.bias[...], 1.0 + nnx.Linear(3, 1, rngs=nnx.Rngs(0)).bias[...])
+
+
+class Block(nnx.Module):
+    def __init__(self, din, rngs):
+        self.lin = nnx.Linear(din, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.relu(self.lin(x))
+
+
+class Stack(nnx.Module):
+    def __init__(self, rngs):
+        self.blocks = nnx.List([Block(3, rngs), Block(4, rngs)])
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _mse(model, x):
+    return jnp.mean(model(x) ** 2)
+
+
+def test_instrument_an_nnx_model(tmp_path):
+    """`instrument` of an NNX model: each submodule's output statistics by attribute path,
+    and its cotangent's with `grads=True`, against numpy; the instrumented model shares the
+    original's Variables, and a `logger.jit` training step of it trains as `nnx.jit` of the
+    original does. (It used to return no logs and no error.)"""
+    model = Stack(nnx.Rngs(0))
+    inst = el.instrument(model, stats=("mean", "rms"), grads=True)
+    x = X[:5]
+    _, logs = el.spool(nnx.grad(_mse))(inst, x)
+    paths = ["blocks[0]", "blocks[0].lin", "blocks[1]", "blocks[1].lin", "head"]
+    assert sorted(logs) == sorted(
+        f"{p}/{g}{s}" for p in paths for g in ("", "grad/") for s in ("mean", "rms")
+    )
+    h0 = np.asarray(model.blocks[0].lin(x))
+    y = np.asarray(model(x))
+    np.testing.assert_allclose(logs["blocks[0].lin/mean"][0], h0.mean(), rtol=1e-5)
+    np.testing.assert_allclose(logs["head/rms"][0], np.sqrt(np.mean(y**2)), rtol=1e-5)
+    dy = 2 * y / y.size  # d mean(y**2) / dy
+    np.testing.assert_allclose(logs["head/grad/mean"][0], dy.mean(), rtol=1e-5)
+    np.testing.assert_allclose(logs["head/grad/rms"][0], np.sqrt(np.mean(dy**2)), rtol=1e-5)
+
+    where = el.instrument(model, where="blocks[*].lin", stats=("mean",))
+    assert sorted(el.spool(where)(x)[1]) == ["blocks[0].lin/mean", "blocks[1].lin/mean"]
+    with pytest.raises(ValueError, match=r"selects no submodule.*blocks\[0\]\.lin"):
+        el.instrument(model, where="decoder*")
+
+    def train(model, optimizer, x, i):
+        loss, grads = nnx.value_and_grad(_mse)(model, x)
+        el.log("loss", loss, step=i)
+        optimizer.update(model, grads)
+        return loss
+
+    reference = Stack(nnx.Rngs(0))
+    ref_opt = nnx.Optimizer(reference, optax.sgd(0.1), wrt=nnx.Param)
+    want = [float(nnx.jit(train)(reference, ref_opt, x, jnp.int32(i))) for i in range(3)]
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    optimizer = nnx.Optimizer(inst, optax.sgd(0.1), wrt=nnx.Param)
+    step = logger.jit(train, logger.init())
+    got = [float(step(inst, optimizer, x, jnp.int32(i))) for i in range(3)]
+    logger.close()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(_state(model), _state(reference), strict=True):  # (shared Variables)
+        np.testing.assert_allclose(a, b, rtol=1e-5)
+    rows = loggers.read_jsonl(tmp_path / "run.jsonl")
+    assert {r["key"] for r in rows} >= {"loss", "head/grad/rms", "blocks[1].lin/mean"}
