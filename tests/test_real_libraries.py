@@ -1,7 +1,6 @@
 """Logs inside real libraries' code: optimistix's solvers, lineax's linear operators, Flax NNX
 training steps (issue 24, item 6). Errors name what the user wrote; what can work, works."""
 
-
 import jax
 import jax.numpy as jnp
 import lineax as lx
