@@ -1144,6 +1144,39 @@ def test_statistics_in_a_batched_cond_with_vmaps_outside_the_spool():
 
 
 @fast
+def test_a_numpy_weight_in_a_batched_cond_under_vmaps_inside_and_outside():
+    # a numpy array that the vmaps leave unbatched (in_axes=None), its statistics and a value
+    # computed from it, in a batched cond: before, the spool staged it as it was, and JAX
+    # refused it (AssertionError: non-canonical constant of type ndarray)
+    runs = np.stack([XS, 0.5 - XS[::-1]])
+    w = np.array([1.0, -3.0, 2.5], np.float32)
+
+    def g(x, w):
+        def take():
+            eqx_logs.log_stats("w", w, stats=("mean", "norm"))
+            eqx_logs.log("wx", jnp.sum(w * x))
+
+        lax.cond(jnp.sum(x) > 0, take, lambda: None)
+        return x
+
+    spooled = eqx_logs.spool(jax.vmap(g, in_axes=(0, None)))
+    for _, logs in (
+        jax.vmap(spooled, in_axes=(0, None))(runs, w),
+        jax.jit(jax.vmap(spooled, in_axes=(0, None)))(runs, w),
+    ):
+        want = np_stats(w, ("mean", "norm"))
+        for r in range(2):
+            taken = runs[r].sum(axis=1) > 0
+            for key in ("w/mean", "w/norm", "wx"):
+                np.testing.assert_array_equal(np.ravel(logs.count[key][r]), taken, key)
+            for stat in ("mean", "norm"):
+                got = np.ravel(logs[f"w/{stat}"][r])[taken]
+                assert_close(got, [want[stat]] * taken.sum(), stat)
+            wx = np.asarray(runs[r], np.float64) @ np.asarray(w, np.float64)
+            assert_close(np.ravel(logs["wx"][r])[taken], wx[taken], "wx")
+
+
+@fast
 def test_statistics_in_a_batched_cond_no_lane_takes_and_first_nonfinite():
     def f(x):
         take = lambda: eqx_logs.log_stats("s", x, stats=("mean", "nonfinite"))  # noqa: E731

@@ -5,7 +5,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from jax import ShapeDtypeStruct, make_jaxpr as _make_jaxpr
-from jax._src import core as _core, hijax as _hijax, source_info_util as _source_info_util
+from jax._src import (
+    core as _core,
+    dtypes as _dtypes,
+    hijax as _hijax,
+    source_info_util as _source_info_util,
+)
 from jax._src.ad_util import SymbolicZero as _SymbolicZero
 from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.tree_util import tree_leaves as _tree_leaves
@@ -108,7 +113,9 @@ def _emit(trace: Any, eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any] | None:
     src = eqn.source_info.replace(name_stack=name_stack)
     tracers = []
     for v, x in zip(eqn.invars, invals):
-        t = trace.to_jaxpr_tracer(x, src)
+        # canonical, as `Primitive.bind` makes them: a numpy array (an argument a `vmap`
+        # outside the spool leaves unbatched) is no constant of a jaxpr as it is
+        t = trace.to_jaxpr_tracer(_dtypes.canonicalize_value(x), src)
         if t.aval != v.aval:
             return None
         tracers.append(t)
