@@ -9,6 +9,7 @@ the lanes where its branch is taken, or where the loop is still running. Statist
 (`log_stats`, `instrument`), over all lanes of such a vmap together, are over those lanes.
 """
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -20,18 +21,38 @@ from jax import lax
 from . import _compat, _lanes
 from ._interpret import Handler, Interpreter
 from ._policy import Policy
-from ._primitive import log_effect, rebind
+from ._primitive import log_effect, masked_events, rebind
 from ._rules import RULES
 from ._stats import masked
 
 
 class _Mask(Handler):
-    """Adds `mask` to every log (through nested control flow), and marks it as in `branch`."""
-
-    wraps_custom_rules = False  # the spool or tap around the vmap does it
+    """Adds `mask` to every log (through nested control flow), and marks it as in `branch`.
+    The logs of custom derivative rules, which JAX traces apart (the backward rule when it
+    transposes), get it too: it travels with the call as an operand (`rule_carry`), and the
+    rules bind their logs and statistics under it (`masked_events`)."""
 
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
         self.mask, self.branch = mask, branch
+
+    def rule_carry(self, eqn: Any) -> list[Any]:
+        # a custom_vjp's: its backward rule, traced when JAX transposes, may log (a
+        # custom_jvp's rule is evaluated here when it differentiates: no need)
+        return [self._kept()] if eqn.primitive.name == _compat.CUSTOM_VJP else []
+
+    def rule_events(self, *carried: Any) -> Any:
+        return masked_events(carried[0], self.branch) if carried else contextlib.nullcontext()
+
+    def snapshot(self) -> tuple[dict[str, Any], Any]:
+        return {"branch_mask": self.mask}, None
+
+    @contextlib.contextmanager
+    def restored(self, context: dict[str, Any], static: Any):
+        saved, self.mask = self.mask, context["branch_mask"]
+        try:
+            yield
+        finally:
+            self.mask = saved
 
     def _kept(self) -> Any:
         """Whether (in this lane) the events here are kept."""
@@ -64,13 +85,28 @@ def _has_log(*closed: Any) -> bool:
     return any(log_effect in _compat.unpack(c)[0].effects for c in closed)
 
 
+def _may_log(*closed: Any) -> bool:
+    """Whether `closed` logs, or holds a custom_vjp call, whose backward rule may log when
+    JAX transposes it (`log_grad`, `instrument(grads=True)`): nothing in the jaxpr says."""
+
+    def has_custom_vjp(c: Any) -> bool:
+        for eqn in _compat.unpack(c)[0].eqns:
+            if eqn.primitive.name == _compat.CUSTOM_VJP:
+                return True
+            if any(has_custom_vjp(j) for j in _compat.sub_jaxprs(eqn.params)):
+                return True
+        return False
+
+    return _has_log(*closed) or any(has_custom_vjp(c) for c in closed)
+
+
 _conds = itertools.count()  # ids of the batched conds with logs (`log_p`'s `branches`)
 
 
 def _cond_batching(original):
     def rule(axis_data, args, dims, *, branches, **params):
         index_dim = dims[0]
-        if index_dim is None or not _has_log(*branches):
+        if index_dim is None or not _may_log(*branches):
             return original(axis_data, args, dims, branches=branches, **params)
         size, name = _compat.axis_size_and_name(axis_data)
         cond = next(_conds)  # this cond, in its branches' logs

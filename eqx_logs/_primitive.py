@@ -11,14 +11,16 @@ every branch or iteration for every lane: it marks the lanes where the event rea
 For a cond, `branches` then records which branch of which batched cond the log is in (pairs
 `(cond, branch)`, sorted): a lane takes one branch of each, so the events of different
 branches of one cond exclude each other, and a spool bounds them by the maximum over the
-branches, as without vmap.
+branches, as without vmap. (A custom_vjp's backward rule in such a branch, which JAX traces
+when it transposes, binds its logs with the mask too: `masked_events`.)
 `log_p` has no outputs and an effect of its own, so it survives DCE, AD, remat and control
 flow until a spool or tap interprets it.
 """
 
+import contextlib
 import functools
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -230,6 +232,33 @@ def rebind(
     log_p.bind(*leaves, *steps, *old, **params)
 
 
+def event_mask() -> tuple[Any, tuple[tuple[int, int], ...]] | None:
+    """The mask and branches of `masked_events` around, if any."""
+    hit = getattr(_local, "event_mask", None)
+    return None if hit is None else hit[:2]
+
+
+@contextlib.contextmanager
+def masked_events(mask: Any, branch: tuple[int, int] | None) -> Iterator[None]:
+    """Events `bind` binds inside masked by `mask` too and marked as in `branch` (as `rebind`
+    does), and statistics (`_stats.statistics`) over the lanes where it holds: for a custom
+    derivative's rules in a cond whose predicate a vmap batches (`_masking.py`), which JAX
+    traces apart from the branch (the backward rule, always), where the masking interpreter
+    does not see their logs. Nested blocks combine. Part of the trace context: a function
+    jitted inside is traced again for it."""
+    saved = getattr(_local, "event_mask", None)
+    mask = jnp.asarray(mask, bool)
+    branches = () if branch is None else (branch,)
+    if saved is not None:
+        mask, branches = jnp.logical_and(saved[0], mask), (*saved[1], *branches)
+    _local.event_mask = (mask, tuple(sorted(set(branches))), object())
+    try:
+        with tracing_context():
+            yield
+    finally:
+        _local.event_mask = saved
+
+
 def bind(
     items: dict[str, Any],
     steps: dict[str, Any],
@@ -246,6 +275,9 @@ def bind(
     leaves, treedef = jtu.tree_flatten(items)
     names = tuple(sorted(steps))
     operands = [jnp.asarray(x) for x in leaves] + [jnp.asarray(steps[n]) for n in names]
+    masked, branches = event_mask() or (None, ())
+    if masked is not None:
+        operands.append(masked)
     log_p.bind(
         *operands,
         treedef=treedef,
@@ -256,8 +288,8 @@ def bind(
         rule=getattr(_local, "rule", None),
         nbatch=0,
         axis_names=(),
-        masked=False,
-        branches=(),
+        masked=masked is not None,
+        branches=branches,
         statistics=statistics,
     )
 

@@ -108,7 +108,9 @@ class _Traced:
 
 
 def _context_key() -> tuple:
-    return tuple(key for _, key in _context_steps() if key)
+    key = tuple(key for _, key in _context_steps() if key)
+    masked = getattr(_local, "event_mask", None)  # `_primitive.masked_events`: by identity
+    return key if masked is None else (*key, ("<masked events>", masked[2]))
 
 
 def current_prefix() -> str:

@@ -11,7 +11,14 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
 from . import _branching, _compat, _lanes
-from ._primitive import _call_site, _check_step, _normalise_tags, bind, current_prefix
+from ._primitive import (
+    _call_site,
+    _check_step,
+    _normalise_tags,
+    bind,
+    current_prefix,
+    event_mask,
+)
 
 
 def _float_dtype(dtype: Any) -> Any:
@@ -276,8 +283,13 @@ def lane_masked(eqn: _compat.JaxprEqn, invals: Sequence[Any], lane: Array) -> li
 
 def statistics(x: Array, stats: tuple[str, ...]) -> dict[str, Array]:
     """`{name: statistic of x}` for every name in `stats`, over all of `x` (and every lane
-    of a vmap inside the spool)."""
-    out = stats_p.bind(jnp.asarray(x), stats=stats, lanes=None, nbatch=0)
+    of a vmap inside the spool), those of the lanes that `masked_events` around keeps."""
+    mask = (event_mask() or (None,))[0]
+    if mask is None:
+        out = stats_p.bind(jnp.asarray(x), stats=stats, lanes=None, nbatch=0)
+    else:  # as `_Mask.statistics` masks them
+        mask = mask if jnp.ndim(mask) == 0 else jnp.any(mask)
+        out = stats_p.bind(jnp.asarray(x), mask, stats=stats, lanes=None, nbatch=0)
     return dict(zip(stats, out))
 
 

@@ -1237,6 +1237,76 @@ def test_instrument_in_a_batched_cond_is_over_the_lanes_that_take_it():
                 assert_close(np.ravel(logs[key])[taken], [want[stat]] * taken.sum(), key)
 
 
+def _hand_cotangents(model: eqx.nn.MLP, x, loss_of_output):
+    """Each layer's output's cotangent for one example (an additive perturbation of each
+    output, differentiated at zero), by `jax.vjp` of the plain model."""
+
+    def perturbed(eps):
+        h = x
+        for i, layer in enumerate(model.layers):
+            h = layer(h) + eps[i]
+            if i < len(model.layers) - 1:
+                h = model.activation(h)
+        return loss_of_output(h)
+
+    eps = [jnp.zeros(layer.out_features) for layer in model.layers]
+    return jax.vjp(perturbed, eps)[1](jnp.ones(()))[0]
+
+
+@fast
+@pytest.mark.parametrize("order", ["grad(vmap)", "vmap(grad)"])
+def test_cotangent_statistics_in_a_batched_cond_are_over_the_lanes_that_take_it(order):
+    # instrument(grads=True) in a cond whose predicate a vmap inside the spool batches: the
+    # backward statistics are over the lanes that take the branch, as the forward ones are.
+    # Under grad(vmap(...)) JAX transposes the custom_vjp after the vmap batched the cond, so
+    # its backward rule saw no mask (before: over every lane, zeros of the others included,
+    # one event per call)
+    plain = mlp()
+    model = eqx_logs.instrument(plain, stats=("mean", "rms", "min", "max"), grads=True)
+
+    def out(h):
+        return jnp.sum(jnp.sin(h) ** 2)
+
+    def f(model, x):
+        return out(lax.cond(jnp.sum(x) > 0, lambda: model(x), lambda: jnp.zeros(2)))
+
+    if order == "grad(vmap)":
+        step = eqx.filter_grad(lambda m, xs: jnp.sum(jax.vmap(f, in_axes=(None, 0))(m, xs)))
+    else:
+        step = jax.vmap(eqx.filter_grad(f), in_axes=(None, 0))
+    _, logs = eqx_logs.spool(step)(model, XS)
+    taken = XS.sum(axis=1) > 0
+    cts = [_hand_cotangents(plain, x, out) for x in XS[taken]]
+    for layer in range(3):
+        want = np_stats(np.stack([ct[layer] for ct in cts]), ("mean", "rms", "min", "max"))
+        for stat, value in want.items():
+            key = f"layers[{layer}]/grad/{stat}"
+            np.testing.assert_array_equal(np.ravel(logs.count[key]), taken, key)
+            assert_close(np.ravel(logs[key])[taken], [value] * taken.sum(), key)
+
+
+@fast
+@pytest.mark.parametrize("order", ["grad(vmap)", "vmap(grad)"])
+def test_log_grad_in_a_batched_cond_logs_the_lanes_that_take_it(order):
+    w = jnp.array([0.5, 2.0, -1.0])
+
+    def f(w, x):
+        def branch(x):
+            return jnp.sum(eqx_logs.log_grad("dh", jnp.tanh(w * x)) ** 2)
+
+        return lax.cond(x[0] > 0, branch, jnp.sum, x)
+
+    if order == "grad(vmap)":
+        step = jax.grad(lambda w, xs: jnp.sum(jax.vmap(f, in_axes=(None, 0))(w, xs)))
+    else:
+        step = jax.vmap(jax.grad(f), in_axes=(None, 0))
+    _, logs = eqx_logs.spool(step)(w, XS)
+    taken = XS[:, 0] > 0
+    np.testing.assert_array_equal(np.ravel(logs.count["dh"]), taken)
+    want = 2 * np.tanh(np.asarray(w, np.float64) * XS[taken])  # d sum(h**2) / dh
+    assert_close(np.asarray(logs["dh"])[0][taken], want)
+
+
 def test_masked_statistics_batching_keeps_the_mask_with_its_axes():
     """`stats_p`'s mask operand, batched along any axis, with the array batched along any
     axis, or not at all: inside the spool (`lanes=None`) and outside it (`lanes=0`)."""

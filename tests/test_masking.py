@@ -147,3 +147,70 @@ def test_grad_inside_vmap_with_batched_predicate():
     _, logs = el.spool(g)(jnp.float32(2.0), jnp.array([1.0, -1.0, 3.0]))
     np.testing.assert_array_equal(logs.count["pos"], [1, 0, 1])
     np.testing.assert_allclose(logs["pos"][0], [2.0, np.nan, 6.0], equal_nan=True)
+
+
+@jax.custom_vjp
+def _logs_its_cotangent(x):
+    return x
+
+
+def _logs_its_cotangent_fwd(x):
+    return x, None
+
+
+def _logs_its_cotangent_bwd(_, ct):
+    el.log("ct", ct)
+    return (ct,)
+
+
+_logs_its_cotangent.defvjp(_logs_its_cotangent_fwd, _logs_its_cotangent_bwd)
+
+
+@jax.custom_vjp
+def _logs_both(x):
+    el.log("primal", x)
+    return x
+
+
+def _logs_both_fwd(x):
+    el.log("primal", x)
+    return x, None
+
+
+def _logs_both_bwd(_, ct):
+    el.log("ct_both", ct)
+    return (ct,)
+
+
+_logs_both.defvjp(_logs_both_fwd, _logs_both_bwd)
+
+
+@pytest.mark.parametrize("order", ["grad(vmap)", "grad(jit(vmap))", "vmap(grad)"])
+def test_custom_vjp_backward_logs_in_a_batched_cond_count_the_lanes_that_take_it(order):
+    # the backward rule of a custom_vjp in a cond whose predicate a vmap inside the spool
+    # batches (one whose primal does not log, one whose primal logs too; in nested conds):
+    # under grad(vmap(...)), JAX traces it when it transposes, after the vmap batched the
+    # cond, so the masking interpreter never saw its logs (before: every lane logged, the
+    # untaken ones a zero cotangent)
+    w = jnp.array([0.5, 2.0, -1.0])
+    xs = np.array([[1.0, 2.0, 0.5], [-5.0, -7.0, 1.0], [3.0, -4.0, -1.0], [0.5, 9.0, 2.0]])
+
+    def f(w, x):
+        def inner(x):
+            return jnp.sum(_logs_its_cotangent(_logs_both(w * x)) ** 2)
+
+        return lax.cond(x[0] > 0, lambda x: lax.cond(x[1] > 0, inner, jnp.sum, x), jnp.sum, x)
+
+    def batch_loss(w, xs):
+        batched = jax.vmap(f, in_axes=(None, 0))
+        return jnp.sum((jax.jit(batched) if "jit" in order else batched)(w, xs))
+
+    step = (
+        jax.vmap(jax.grad(f), in_axes=(None, 0)) if order == "vmap(grad)" else jax.grad(batch_loss)
+    )
+    _, logs = el.spool(step)(w, jnp.asarray(xs, jnp.float32))
+    taken = (xs[:, 0] > 0) & (xs[:, 1] > 0)
+    h = np.asarray(w, np.float64) * xs
+    for key, want in (("primal", h), ("ct", 2 * h), ("ct_both", 2 * h)):
+        np.testing.assert_array_equal(np.ravel(logs.count[key]), taken, key)
+        np.testing.assert_allclose(np.asarray(logs[key])[0][taken], want[taken], rtol=1e-6)

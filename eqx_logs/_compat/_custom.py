@@ -8,6 +8,7 @@ from typing import Any
 from jax._src import ad_util as _ad_util, core as _core, linear_util as _lu
 from jax._src.ad_util import SymbolicZero as _SymbolicZero
 from jax._src.interpreters import ad as _ad
+from jax.tree_util import tree_structure as _tree_structure, tree_unflatten as _tree_unflatten
 
 from ._higher_order import CUSTOM_JVP, close
 from ._types import JaxprEqn
@@ -25,22 +26,66 @@ def _tangent_zero(x: Any, symbolic: bool) -> Any:
     return _SymbolicZero(aval) if symbolic else _ad_util.zeros_like_aval(aval)
 
 
-def bind_custom_rules_in(eqn: JaxprEqn, invals: Sequence[Any], context: Callable[[], Any]):
+def _zeros(operands: Sequence[Any]) -> list[Any]:
+    """The cotangents a backward rule returns for operands that get none (symbolic zeros, as
+    JAX's own rules return for constants: a vmap batching the rule takes no `None`)."""
+    return [_ad_util.Zero(_core.typeof(x).to_tangent_aval()) for x in operands]
+
+
+def bind_custom_rules_in(
+    eqn: JaxprEqn,
+    invals: Sequence[Any],
+    context: Callable[..., Any],
+    carry: Sequence[Any] = (),
+):
     """Bind a custom_jvp/custom_vjp equation again as it is, except that its JVP, forward and
     backward rules (traced later by JAX, if it differentiates) run under the context manager
-    `context()`. For calls whose primal does not log: their rules may."""
+    `context(*carried)`. For calls whose primal does not log: their rules may.
+
+    `carry` (arrays) are bound as extra operands that the rules receive as they are traced
+    (`carried`): the JVP and forward rules as the operands, the backward rule as residuals
+    the forward pass keeps. A rule traced after the trace that called this (a backward rule,
+    always) can use them, where a value of that trace would leak."""
     params = dict(eqn.primitive.get_bind_params(eqn.params))
-    subfuns = list(params.pop("subfuns"))
+    fun, *rules = params.pop("subfuns")
+    n, k = len(invals), len(carry)
 
-    def wrap(fun):
-        def wrapped(*args):
-            with context():
-                return fun.call_wrapped(*args)
+    def fun_(*xs):
+        return fun.call_wrapped(*xs[:n])
 
-        return _wrap(wrapped, fun)
+    if eqn.primitive.name == CUSTOM_JVP:
+        (jvp,) = rules
 
-    subfuns[1:] = [wrap(f) for f in subfuns[1:]]  # (fun, jvp) or (fun, fwd, bwd)
-    out = eqn.primitive.bind(*invals, subfuns=tuple(subfuns), **params)
+        def jvp_(*xs):
+            primals, tangents = xs[: n + k], xs[n + k :]
+            with context(*primals[n:]):
+                return jvp.call_wrapped(*primals[:n], *tangents[:n])
+
+        subfuns = (_wrap(fun_, fun) if k else fun, _wrap(jvp_, jvp))
+    else:
+        fwd, bwd = rules
+        out_trees = params["out_trees"]
+
+        def fwd_(*xs):  # (value, nonzero) pairs
+            with context(*xs[2 * n :: 2]):
+                return fwd.call_wrapped(*xs[: 2 * n])
+
+        def out_trees_():  # `carry` kept as residuals: the inputs forwarded to the bwd
+            out_tree, res_tree, forwarded = out_trees()
+            res = _tree_unflatten(res_tree, [0] * res_tree.num_leaves)
+            return out_tree, _tree_structure((res, [0] * k)), [*forwarded, *range(n, n + k)]
+
+        def bwd_(*xs):
+            r = out_trees()[1].num_leaves
+            with context(*xs[r : r + k]):
+                out = bwd.call_wrapped(*xs[:r], *xs[r + k :])
+            cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+            cts_in = [*cts_in, *_zeros(xs[r : r + k])]
+            return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
+
+        subfuns = (_wrap(fun_, fun) if k else fun, _wrap(fwd_, fwd), _wrap(bwd_, bwd))
+        params["out_trees"] = out_trees_ if k else out_trees
+    out = eqn.primitive.bind(*invals, *carry, subfuns=subfuns, **params)
     return list(out)
 
 
@@ -109,20 +154,24 @@ def bind_custom_vjp(
     fun: Callable,
     fwd: Callable,
     fwd_context: Callable[[], Any],
-    bwd_context: Callable[[], Any],
+    bwd_context: Callable[..., Any],
+    carry: Sequence[Any] = (),
 ) -> list[Any]:
     """Bind a `custom_vjp_call` equation again on `[*invals, *extra]`. `fun(invals, extra)`
     returns `[*outs, *extra_outs]` (the primal); `fwd(fwd_jaxpr, args, extra)` evaluates the
     user's forward jaxpr (on the non-constant inputs) and returns `(res_and_outs,
     extra_outs)`. The user's forward rule is traced under the context manager
-    `fwd_context()`, its backward rule under `bwd_context()`, on the cotangents of `outs`;
-    extra inputs get zero cotangents. Returns `[*outs, *extra_outs]`."""
+    `fwd_context()`, its backward rule under `bwd_context(*carry)`, on the cotangents of
+    `outs`: `carry` (arrays) are operands too, kept as residuals for the backward rule (as in
+    `bind_custom_rules_in`); extra inputs get zero cotangents. Returns `[*outs,
+    *extra_outs]`."""
     params = eqn.params
     n_in, num_consts = len(invals), params["num_consts"]
+    n_extra, k = len(extra), len(carry)
     thunk, bwd, out_trees = params["fwd_jaxpr_thunk"], params["bwd"], params["out_trees"]
 
     def fun_(*xs):
-        return fun(list(xs[:n_in]), list(xs[n_in:]))
+        return fun(list(xs[:n_in]), list(xs[n_in : n_in + n_extra]))
 
     def fwd_(*xs):
         vals, nonzeros = xs[::2], xs[1::2]
@@ -131,27 +180,37 @@ def bind_custom_vjp(
         with fwd_context():
             jaxpr, consts = thunk.call_wrapped(*nonzeros[num_consts:n_in])
         res_and_outs, extra_outs = fwd(
-            close(jaxpr, consts), list(vals[num_consts:n_in]), list(vals[n_in:])
+            close(jaxpr, consts), list(vals[num_consts:n_in]), list(vals[n_in : n_in + n_extra])
         )
         return [*res_and_outs, *extra_outs]
 
+    def out_trees_():  # `carry` kept as residuals: the inputs forwarded to the bwd
+        out_tree, res_tree, forwarded = out_trees()
+        res = _tree_unflatten(res_tree, [0] * res_tree.num_leaves)
+        first = n_in + n_extra
+        return out_tree, _tree_structure((res, [0] * k)), [*forwarded, *range(first, first + k)]
+
     n_out = len(eqn.outvars)
+    # (symbolic, not None: a backward rule that a vmap batches returns JAX types only)
+    const_zeros, extra_zeros = _zeros(invals[:num_consts]), _zeros(extra)
 
     def bwd_(*xs):
         num_res = out_trees()[1].num_leaves
-        res, cts = xs[:num_res], xs[num_res : num_res + n_out]
-        with bwd_context():
+        res, carried = xs[:num_res], xs[num_res : num_res + k]
+        cts = xs[num_res + k : num_res + k + n_out]
+        with bwd_context(*carried):
             out = bwd.call_wrapped(*res, *cts)
         cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
-        cts_in = [*[None] * num_consts, *cts_in, *[None] * len(extra)]
+        cts_in = [*const_zeros, *cts_in, *extra_zeros, *_zeros(carried)]
         return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
 
     subfuns = (_wrap(fun_, thunk), _wrap(fwd_, thunk), _wrap(bwd_, bwd))
     out = eqn.primitive.bind(
         *invals,
         *extra,
+        *carry,
         subfuns=subfuns,
-        out_trees=out_trees,
+        out_trees=out_trees_ if k else out_trees,
         symbolic_zeros=params["symbolic_zeros"],
     )
     return list(out)

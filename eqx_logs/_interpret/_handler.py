@@ -98,6 +98,20 @@ class Handler:
         del context, static
         return contextlib.nullcontext()
 
+    def rule_carry(self, eqn: _compat.JaxprEqn) -> list[Any]:
+        """Arrays that the events of the rules of `eqn`, a custom derivative's call, depend
+        on here: bound as operands of the call and handed to `rule_events` where JAX traces
+        a rule (the backward rule as residuals), apart from this trace. None by default."""
+        del eqn
+        return []
+
+    def rule_events(self, *carried: Any) -> Any:
+        """A context for a custom derivative's rules, given `rule_carry()` as traced there
+        (for rules the interpreter does not evaluate: the backward rule, and the rules of a
+        call whose primal does not log)."""
+        del carried
+        return contextlib.nullcontext()
+
     def on_device(self, args: Sequence[Any]) -> Any:
         """A context for evaluating a shard_map's body on one device, whose blocks of the
         operands are `args`."""

@@ -92,9 +92,17 @@ def _custom_name(eqn) -> str:
 
 def _rules_only(interp, eqn, invals):
     """A custom call whose primal does not log: bound as it is, its rules with logging on
-    (their events pass on to an enclosing spool or tap, else warn)."""
-    name, prefix = _custom_name(eqn), current_prefix()
-    return _compat.bind_custom_rules_in(eqn, invals, lambda: logging_as(prefix, name, enabled=None))
+    (their events pass on to an enclosing spool or tap, else warn), under the handler's
+    `rule_events`."""
+    name, prefix, handler = _custom_name(eqn), current_prefix(), interp.handler
+
+    @contextlib.contextmanager
+    def context(*carried):
+        with logging_as(prefix, name, enabled=None), handler.rule_events(*carried):
+            yield
+
+    carry = handler.rule_carry(eqn)
+    return _compat.bind_custom_rules_in(eqn, invals, context, carry)
 
 
 def _custom_jvp_apply(interp, eqn, invals, states):
@@ -127,10 +135,17 @@ def _custom_vjp_apply(interp, eqn, invals, states):
     def fwd(fwd_closed, args, extra):
         return t.run(fwd_closed, args, extra, rule=True)
 
-    def bwd_context():  # its logs reach an enclosing spool or tap, if any (see `log_p`)
-        return logging_as(t.prefix, rule=t.name, enabled=None)
+    handler = interp.handler
 
-    flat = _compat.bind_custom_vjp(eqn, invals, t.extra, fun, fwd, t.rule_context, bwd_context)
+    @contextlib.contextmanager
+    def bwd_context(*carried):  # its logs reach an enclosing spool or tap, if any (`log_p`)
+        with logging_as(t.prefix, rule=t.name, enabled=None), handler.rule_events(*carried):
+            yield
+
+    carry = handler.rule_carry(eqn)
+    flat = _compat.bind_custom_vjp(
+        eqn, invals, t.extra, fun, fwd, t.rule_context, bwd_context, carry
+    )
     return t.finish(flat, states)
 
 
