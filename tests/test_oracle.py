@@ -424,12 +424,17 @@ class Oracle:
     statistics over a batch). `planted` (key -> array) substitutes by hand what
     `eqx_logs.plant` must: a Sow node's value becomes the planted value (of the sown shape)
     or its i-th row at the key's i-th event. `backward` counts the events each Instrument
-    node with `grads` must log in the backward pass (one per forward call)."""
+    node with `grads` must log in the backward pass (one per forward call). `where` gives
+    each statistic's event its place in the run (each Seq child, loop iteration and branch
+    taken on the way): under `spool(vmap(f))` the events of lanes at the same place are one
+    masked event of the batch, and its statistic is over those lanes."""
 
     def __init__(self, root, x0, z0, planted: dict | None = None):
         self.events: dict[str, list] = {}
         self.tags: dict[str, list] = {}  # the tags of every event, parallel to `events`
         self.raw: dict[str, list] = {}  # for statistics: the value, parallel to `events`
+        self.where: dict[str, list] = {}  # for statistics: the place, parallel to `events`
+        self.path: list = []  # the place being run
         self.backward: dict[str, int] = {}
         self.planted = planted or {}
         self.tie = False
@@ -445,12 +450,21 @@ class Oracle:
 
     def record_stat(self, key, value, tags=()):
         self.raw.setdefault(key, []).append(value)
+        self.where.setdefault(key, []).append(tuple(self.path))
         self.record(key, statistic(key.rsplit("/", 1)[1], value), tags)
 
     def compare(self, src, threshold) -> bool:
         if abs(float(src) - threshold) < _TIE:
             self.tie = True
         return bool(src > threshold)
+
+    def at(self, place, node, s):
+        """`run(node, s)` at `place` (a Seq child's index, an iteration, a branch)."""
+        self.path.append(place)
+        try:
+            return self.run(node, s)
+        finally:
+            self.path.pop()
 
     def run(self, node, s):
         x, z = s
@@ -462,8 +476,8 @@ class Oracle:
             x, z = _update(np, node.op, x, z)
             return np.asarray(x, np.float32), np.float32(z)
         if isinstance(node, Seq):
-            for child in node.children:
-                s = self.run(child, s)
+            for place, child in enumerate(node.children):
+                s = self.at(place, child, s)
             return s
         if isinstance(node, Scan):
             order = range(node.length)
@@ -471,7 +485,7 @@ class Oracle:
             for i in reversed(order) if node.reverse else order:
                 if node.log_index:
                     self.record(node.index_key, i)
-                s = self.run(node.body, s)
+                s = self.at(i, node.body, s)
                 ys[i] = 0.5 * s[0]
             x, z = s
             return np.asarray(x + 0.05 * ys.sum(axis=0), np.float32), z
@@ -479,22 +493,22 @@ class Oracle:
             for i in range(node.lower, node.upper):
                 if node.log_index:
                     self.record(node.index_key, i)
-                s = self.run(node.body, s)
+                s = self.at(i, node.body, s)
             return s
         if isinstance(node, While):
-            for _ in range(node.trips):
-                s = self.run(node.body, s)
+            for trip in range(node.trips):
+                s = self.at(trip, node.body, s)
             if node.on is not None and self.compare(_source(np, node.on, *s), node.threshold):
-                s = self.run(node.body, s)
+                s = self.at(node.trips, node.body, s)
             return s
         if isinstance(node, Cond):
             taken = self.compare(_source(np, node.on, x, z), node.threshold)
-            return self.run(node.true if taken else node.false, s)
+            return self.at(taken, node.true if taken else node.false, s)
         if isinstance(node, Switch):
             src = _source(np, node.on, x, z)
             index = int(self.compare(src, node.threshold))
             index += int(self.compare(src, node.threshold + 0.5))
-            return self.run(node.branches[index], s)
+            return self.at(index, node.branches[index], s)
         if isinstance(node, Jit | Checkpoint | ShardMap):
             return self.run(node.body, s)
         if isinstance(node, Stats):
@@ -1483,6 +1497,58 @@ def over_batch(lanes: list[Oracle]) -> tuple[dict, dict]:
     return values, counts
 
 
+def over_taking_lanes(lanes: list[Oracle]) -> tuple[dict, dict]:
+    """`(values, counts)` as `spool(vmap(f))` returns them where predicates read the batched
+    state (lanes may take different branches and loop trips): every key per lane on axis 1;
+    a statistic's event, in each lane that has it, the statistic over the lanes that have
+    an event of that key at the same place (`Oracle.where`): those that take the branch or
+    run the trip, as the masked event of the batch is."""
+    values, counts = {}, {}
+    for key, bound in lanes[0].bounds.items():
+        events = [o.events.get(key, []) for o in lanes]
+        counts[key] = np.array([len(e) for e in events])
+        if _is_stat(key):
+            stat, batch = key.rsplit("/", 1)[1], {}
+            for o in lanes:
+                for place, raw in zip(o.where.get(key, []), o.raw.get(key, [])):
+                    batch.setdefault(place, []).append(raw)
+            events = [
+                [statistic(stat, np.stack(batch[place])) for place in o.where.get(key, [])]
+                for o in lanes
+            ]
+        shape, dtype = _key_shape(key, lanes[0].x_shape), _key_dtype(key)
+        values[key] = np.stack([padded(e, bound, shape, dtype) for e in events], axis=1)
+    return values, counts
+
+
+def assert_lanes(logs, values: dict, counts: dict) -> None:
+    """`assert_events` for `over_taking_lanes`: a statistic no batched predicate reaches has
+    one value per event for all lanes (equal in every lane: compared with each)."""
+    assert set(logs) == set(values), f"keys {sorted(logs)} != expected {sorted(values)}"
+    for key, want in values.items():
+        got = np.asarray(logs[key])
+        if _is_stat(key) and got.ndim == 1:
+            got = np.broadcast_to(got[:, None], want.shape)
+        assert got.shape == want.shape, f"{key!r}: shape {got.shape} != {want.shape}"
+        assert got.dtype == want.dtype, f"{key!r}: dtype {got.dtype} != {want.dtype}"
+        rtol, atol = RTOL, ATOL
+        if _is_stat(key):  # (as in `assert_events`)
+            rtol, atol = 1e-4, 1e-5 * (1.0 + float(np.nanmax(np.abs(want), initial=0.0)))
+        np.testing.assert_allclose(
+            got, want, rtol=rtol, atol=atol, equal_nan=True, err_msg=f"logs[{key!r}]"
+        )
+        got_count = np.broadcast_to(np.asarray(logs.count[key]), counts[key].shape)
+        np.testing.assert_array_equal(got_count, counts[key], err_msg=f"count[{key!r}]")
+
+
+class _Selected(dict):
+    """Some keys of a LogDict, with its counts (for `assert_lanes`)."""
+
+    def __init__(self, values: dict, count: Any):
+        super().__init__(values)
+        self.count = count
+
+
 def _scalar(f):
     def scalar(x, z):
         x, z = f(x, z)
@@ -1534,11 +1600,17 @@ def test_statistics_and_sow_under_grad_match_oracle(case):
 @st.composite
 def extra_vmap_cases(draw):
     """`(root, xs, z0, batched)`: a program with statistics and sows and a batch of `x`;
-    with `batched`, predicates may read the batched state."""
+    with `batched`, predicates may read the batched state, and the lanes get spread-out
+    inputs, so that predicates split them."""
     batched = draw(st.booleans())
     programs_ = programs(vmap_safe=not batched, batched=batched, shard_map=True, extras=EXTRAS)
     root = draw(programs_.filter(lambda r: _has_extras((r,))))
     xs, z0 = draw(inputs(draw(x_shapes), BATCH))
+    if batched:
+        assume("x" in _predicate_sources(root))
+        offsets = np.linspace(-1.0, 1.0, BATCH, dtype=np.float32)
+        spread = draw(st.sampled_from([0.5, 1.0])) * offsets
+        xs = xs + spread.reshape((-1,) + (1,) * (xs.ndim - 1))
     return root, xs, z0, batched
 
 
@@ -1548,7 +1620,9 @@ def test_statistics_and_sow_under_vmap(case):
     """vmap(spool(f))(xs)[i] == spool(f)(xs[i]) == the oracle on xs[i]: statistics per lane
     (a vmap outside the spool is a batch of runs), also where predicates read the batched
     state. spool(vmap(f)), predicates unbatched: a statistic over the whole batch, one value
-    per event (a vmap inside the spool is the model's batch); other keys per lane."""
+    per event (a vmap inside the spool is the model's batch); other keys per lane. Where
+    predicates read the batched state: each lane's events, a statistic over the lanes that
+    take the same branch or loop trip (`over_taking_lanes`)."""
     root, xs, z0, batched = case
     lanes = [oracle(root, x, z0) for x in xs]
     want_x = np.stack([o.out[0] for o in lanes])
@@ -1563,11 +1637,32 @@ def test_statistics_and_sow_under_vmap(case):
     if batched:  # and literally, for one lane
         _, alone = spooled(xs[-1], z0)
         assert_events(logs, {k: np.asarray(alone[k]) for k in alone}, alone.count, lane=-1)
-        return
     (x, z), logs = eqx_logs.spool(jax.vmap(f, in_axes=(0, None)), across="dev")(xs, z0)
     assert_close(x, want_x, "x")
     assert_close(z, want_z, "z")
-    assert_events(logs, *over_batch(lanes))
+    if not batched:
+        assert_events(logs, *over_batch(lanes))
+        return
+    assert_lanes(logs, *over_taking_lanes(lanes))
+
+    # under grad: the forward events as without it; each lane's backward statistics once per
+    # forward call it made (JAX transposes the instrument's custom_vjp after the vmap batched
+    # the conds around it)
+    def scalar(xs, z):
+        x, z = jax.vmap(f, in_axes=(0, None))(xs, z)
+        return jnp.sum(x) + jnp.sum(z)
+
+    grads, logs = eqx_logs.spool(jax.grad(scalar, argnums=(0, 1)), across="dev")(xs, z0)
+    want_grads = jax.jit(jax.grad(scalar, argnums=(0, 1)))(xs, z0)  # outside any spool
+    assert_close(grads[0], want_grads[0], "dx")
+    assert_close(grads[1], want_grads[1], "dz")
+    forward = {k: v for k, v in logs.items() if "/grad/" not in k}
+    values, counts = over_taking_lanes(lanes)
+    assert_lanes(_Selected(forward, logs.count), values, counts)
+    for key in backward_keys(root):
+        want = [o.backward.get(key, 0) for o in lanes]
+        got = np.broadcast_to(np.asarray(logs.count[key]), (len(lanes),)) if key in logs else 0
+        np.testing.assert_array_equal(got, want, err_msg=f"count[{key!r}]")
 
 
 @st.composite
