@@ -71,21 +71,24 @@ _FIELD = "_eqx_logs_instrument"  # the static field an instrumented submodule's 
 
 
 @functools.cache
-def _instrumented_class(cls: type) -> type:
+def _instrumented_class(cls: type, field: bool = True) -> type:
     """A subclass of the module class `cls` whose `__call__` logs statistics of its output:
-    instances keep their class's fields, methods and `isinstance`, and their leaves' paths."""
+    instances keep their class's fields, methods and `isinstance`, and their leaves' paths.
+    With `field`, the options are a static dataclass field (an Equinox module); without, an
+    attribute each instance is given (a Flax NNX module: static, in its graphdef)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return getattr(self, _FIELD).log(cls.__call__(self, *args, **kwargs))
 
-    namespace = {
-        "__annotations__": {_FIELD: _Options},
-        _FIELD: eqx.field(static=True, default=None),
+    namespace: dict[str, Any] = {
         "__call__": __call__,
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__doc__": cls.__doc__,
     }
+    if field:
+        namespace["__annotations__"] = {_FIELD: _Options}
+        namespace[_FIELD] = eqx.field(static=True, default=None)
     try:
         return type(cls.__name__, (cls,), namespace)
     except Exception as e:
@@ -226,29 +229,6 @@ def instrument(
     return instrumented
 
 
-@functools.cache
-def _instrumented_nnx_class(cls: type) -> type:
-    """`_instrumented_class` for a Flax NNX module class: the options are a static attribute
-    of each instance (in its graphdef), not a dataclass field."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self, _FIELD).log(cls.__call__(self, *args, **kwargs))
-
-    namespace = {
-        "__call__": __call__,
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__doc__": cls.__doc__,
-    }
-    try:
-        return type(cls.__name__, (cls,), namespace)
-    except Exception as e:
-        raise TypeError(
-            f"eqx_logs.instrument cannot instrument {cls.__qualname__}: its class cannot be "
-            f"subclassed ({e}). Leave it out with `where=`."
-        ) from e
-
-
 def _nnx_path(parts: tuple) -> str:
     """A path in an NNX graph, written as `jax.tree_util.keystr` writes an Equinox model's
     (without the leading dot): `layers[0].attention`."""
@@ -277,7 +257,7 @@ def _instrument_nnx(model: Any, stats: tuple, grads: bool, selected: Callable, w
             node.__class__ = cls
             continue
         found.append(path)
-        node.__class__ = _instrumented_nnx_class(cls)
+        node.__class__ = _instrumented_class(cls, field=False)
         object.__setattr__(node, _FIELD, _Options(path, stats, grads))
     if where is not None and not found:
         every = [_nnx_path(p) for p, n in nnx.iter_graph(new) if p and isinstance(n, nnx.Module)]
