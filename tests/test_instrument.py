@@ -177,19 +177,7 @@ def test_instrument_cotangent_stats_match_vjp_by_hand():
 
     grads, logs = eqx_logs.spool(eqx.filter_grad(loss))(im, x)
 
-    # by hand: each layer's output gets an additive perturbation; its cotangent is the
-    # gradient with respect to it at zero
-    def perturbed(eps):
-        h = x
-        for i, layer in enumerate(model.layers):
-            h = layer(h) + eps[i]
-            if i < len(model.layers) - 1:
-                h = model.activation(h)
-        return jnp.sum(jnp.sin(h) ** 2)
-
-    eps = [jnp.zeros(layer.out_features) for layer in model.layers]
-    _, vjp = jax.vjp(perturbed, eps)
-    (cts,) = vjp(jnp.ones(()))
+    cts = _hand_cotangents(model, x, lambda y: jnp.sum(jnp.sin(y) ** 2))
     for i, ct in enumerate(cts):
         for stat, want in np_stats(ct, ("mean", "rms", "absmax", "norm")).items():
             got = logs[f"layers[{i}]/grad/{stat}"]
