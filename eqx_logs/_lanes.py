@@ -121,12 +121,9 @@ def is_lane_primitive(eqn: _compat.JaxprEqn) -> bool:
 def has_lanes(closed: Any, *, nested: bool = False) -> bool:
     """Whether `closed` computes values that have lane values: at its top level, or (with
     `nested`) anywhere in it."""
-    for eqn in _compat.unpack(closed)[0].eqns:
-        if is_lane_primitive(eqn):
-            return True
-        if nested and any(has_lanes(j, nested=True) for j in _compat.sub_jaxprs(eqn.params)):
-            return True
-    return False
+    if nested:
+        return _compat.any_eqn(closed, is_lane_primitive)
+    return any(is_lane_primitive(eqn) for eqn in _compat.unpack(closed)[0].eqns)
 
 
 def lane_value(eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> Any:

@@ -89,15 +89,10 @@ def _may_log(*closed: Any) -> bool:
     """Whether `closed` logs, or holds a custom_vjp call, whose backward rule may log when
     JAX transposes it (`log_grad`, `instrument(grads=True)`): nothing in the jaxpr says."""
 
-    def has_custom_vjp(c: Any) -> bool:
-        for eqn in _compat.unpack(c)[0].eqns:
-            if eqn.primitive.name == _compat.CUSTOM_VJP:
-                return True
-            if any(has_custom_vjp(j) for j in _compat.sub_jaxprs(eqn.params)):
-                return True
-        return False
+    def is_custom_vjp(eqn: Any) -> bool:
+        return eqn.primitive.name == _compat.CUSTOM_VJP
 
-    return _has_log(*closed) or any(has_custom_vjp(c) for c in closed)
+    return _has_log(*closed) or any(_compat.any_eqn(c, is_custom_vjp) for c in closed)
 
 
 _conds = itertools.count()  # ids of the batched conds with logs (`log_p`'s `branches`)

@@ -114,13 +114,13 @@ class Carried:
     `kwargs`, then `finish` with the `After` it returned."""
 
     def __init__(self, fun: Callable, args: tuple, kwargs: dict, nodes: list[Any]):
-        self.nodes = tuple(nodes)
-        holes, self.args, self.kwargs = _holes(fun, args, kwargs, nodes)
         nnx = _flax()
+        self.nodes = tuple(nodes)
+        holes, args, self.kwargs = _holes(fun, args, kwargs, nodes)
         graphdef, state = nnx.split(self.nodes)
         self.fun = Merging(holes, graphdef)
         # (as plain arrays: arguments that hold Variables are carried again by `logger.jit`)
-        self.args = (nnx.to_pure_dict(state), *self.args)
+        self.args = (nnx.to_pure_dict(state), *args)
 
     def finish(self, after: After, where: str, rebuilt: bool) -> None:
         """Write `after` into the caller's objects. `rebuilt`: the wrapper was flattened and

@@ -78,6 +78,7 @@ from ._host import (
     host_p as host_p,
 )
 from ._jaxprs import (
+    any_eqn as any_eqn,
     bind_eqn as bind_eqn,
     eqn_location as eqn_location,
     function_name as function_name,

@@ -69,6 +69,14 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
             yield from _hi_jaxprs(value)
 
 
+def any_eqn(closed: Any, pred: Callable[[JaxprEqn], bool]) -> bool:
+    """Whether an equation of `closed`, at any depth (`sub_jaxprs`), satisfies `pred`."""
+    return any(
+        pred(eqn) or any(any_eqn(sub, pred) for sub in sub_jaxprs(eqn.params))
+        for eqn in unpack(closed)[0].eqns
+    )
+
+
 def _hi_jaxprs(prim: Any) -> Iterator[Any]:
     """The jaxprs of a `HiPrim`'s parameters: its own (`Scan3`'s body, `RematTraced`'s
     function), those of the traced functions it holds (`CustomJVPTraced`'s primal), and those
