@@ -1,39 +1,29 @@
-"""mkdocs hook: the guide's pages are README.md's sections, included, not copied.
+"""mkdocs hook: README.md's sections in the pages that include them, and links to the API.
 
 A line `--8<-- "README.md:name"` in a page stands for the lines between README.md's
 `<!-- --8<-- [start:name] -->` and `<!-- --8<-- [end:name] -->` comments (invisible on GitHub;
-the syntax is pymdownx.snippets'). A missing file or section fails the build.
-
-The README's links to its own sections (`[Configuration with Hydra](#configuration-with-hydra)`)
-are pointed at the page that holds that heading (`hydra.md#configuration-with-hydra`) when it
-is not on the page they land on. Anything else is left as it is, for mkdocs' link validation
-(strict) to report.
+the syntax is pymdownx.snippets'), so the home page shows the README's loop as it is. A missing
+file or section fails the build; links are left to mkdocs' validation (strict) to report.
 
 In a table's first column, a code span that names a documented object (`log(data, ...)`,
 `loggers.JsonlLogger`, `LogDict.first_nonfinite`: the name before any `(`, looked up among the
 API pages' `::: eqx_logs...` entries) becomes a link to its API entry (`link_names`); the
 README itself keeps plain code, as GitHub has no API reference to point at.
 
-`tests/test_docs.py` runs the pages' code blocks through `expand`, as the site shows them.
+`tests/test_docs.py` runs each page's code blocks through `expand`, as the site shows them.
 """
 
 import importlib
 import inspect
-import os
 import pathlib
 import re
 
-from markdown.extensions.toc import slugify
-
 _INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"[ \t]*$', re.M)
-_HEADING = re.compile(r"^#{1,6} +(.+?) *#*$")
-_LOCAL_LINK = re.compile(r"\]\(#([\w-]+)\)")
+_README_DOCS_LINK = re.compile(r"\]\(docs/")
 _DIRECTIVE = re.compile(r"^::: *(eqx_logs[\w.]*)", re.M)
 _CODE = re.compile(r"(?<!\[)`([^`\n]+)`(?!\])")
 _NAME = re.compile(r"[A-Za-z_][\w.]*")
 _MODULES = ("eqx_logs", "eqx_logs.loggers", "eqx_logs.config")
-
-_pages: dict[str, set[str]] = {}  # page (relative to docs_dir) -> the anchors of its headings
 
 
 def section(path: pathlib.Path, name: str) -> str:
@@ -48,18 +38,15 @@ def section(path: pathlib.Path, name: str) -> str:
 
 
 def expand(text: str, root: pathlib.Path) -> str:
-    """`text` with each `--8<-- "file:name"` line replaced by that section of `root / file`."""
-    return _INCLUDE.sub(lambda m: section(root / m.group(1), m.group(2)), text)
+    """`text` with each `--8<-- "file:name"` line replaced by that section of `root / file`.
 
+    The README links to the guide's pages as `docs/page.md`; included in a page (every page
+    that includes sections is in docs/ itself), such a link is `page.md`."""
 
-def _anchors(text: str) -> set[str]:
-    found, fence = set(), False
-    for line in text.splitlines():
-        if line.lstrip().startswith("```"):
-            fence = not fence
-        elif not fence and (m := _HEADING.match(line)):
-            found.add(slugify(re.sub(r"[`*]", "", m.group(1)), "-"))
-    return found
+    def include(m):
+        return _README_DOCS_LINK.sub("](", section(root / m.group(1), m.group(2)))
+
+    return _INCLUDE.sub(include, text)
 
 
 def api_names(docs: pathlib.Path) -> set[str]:
@@ -134,27 +121,6 @@ def _root(config) -> pathlib.Path:
     return pathlib.Path(config["config_file_path"]).parent
 
 
-def on_config(config):
-    docs = pathlib.Path(config["docs_dir"])
-    _pages.clear()
-    for page in docs.rglob("*.md"):
-        text = expand(page.read_text(encoding="utf-8"), _root(config))
-        _pages[page.relative_to(docs).as_posix()] = _anchors(text)
-    return config
-
-
 def on_page_markdown(markdown, page, config, files):
-    here = page.file.src_uri
-
-    def relink(m):
-        anchor = m.group(1)
-        if anchor in _pages.get(here, ()):
-            return m.group(0)
-        for other, anchors in _pages.items():
-            if anchor in anchors:
-                target = os.path.relpath(other, os.path.dirname(here) or ".")
-                return f"]({pathlib.PurePath(target).as_posix()}#{anchor})"
-        return m.group(0)
-
-    markdown = _LOCAL_LINK.sub(relink, expand(markdown, _root(config)))
+    markdown = expand(markdown, _root(config))
     return link_names(markdown, api_names(pathlib.Path(config["docs_dir"])))

@@ -13,8 +13,8 @@ What is recorded, per case, is `str(jax.make_jaxpr(transformed)(x, z))`, normali
   does not change them), each under the transforms of the oracle test it comes from
   (`spool`, `jax.jit(spool)`, `spool(value_and_grad)`, `spool(vmap)`, `vmap(spool)`,
   policies, reductions, `plant`, `tap` and its variants);
-- the code blocks of README.md and of the documentation pages (as tests/test_readme.py and
-  tests/test_docs.py run them): every call of a function that `eqx_logs.spool`, `tap`,
+- the code blocks of README.md and of the documentation pages (as tests/test_docs.py runs
+  them, each page alone): every call of a function that `eqx_logs.spool`, `tap`,
   `plant`, `logger.spool`, `logger.tap` or `logger.jit` returned records the jaxpr of that
   call on its arguments (arrays traced, everything else static, as `spool` filters them).
 
@@ -595,7 +595,8 @@ class _Recorder:
             it = iter(dynamic)
             full = [next(it) if s is None else s for s in static]
             o, a, k = jax.tree.unflatten(treedef, full)
-            return call(o, *a, **k)
+            # the outputs' arrays: a model returned by a step has functions among its leaves
+            return [x for x in jax.tree.leaves(call(o, *a, **k)) if eqx.is_array_like(x)]
 
         self.busy = True
         try:
@@ -613,16 +614,16 @@ RECORDER = _Recorder()
 
 
 def _readme_blocks() -> list[tuple[str, str]]:
-    import test_readme
-
-    return [(f"b{i:02d}", code) for i, code in enumerate(test_readme._blocks())]
+    readme = (pathlib.Path(__file__).parent.parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+    return [(f"b{i:02d}", code) for i, code in enumerate(blocks)]
 
 
 def _docs_blocks() -> list[tuple[str, str]]:
     import test_docs
 
     out = []
-    for page in test_docs._nav_pages():
+    for page in test_docs._guide()[1:]:  # README.md is a unit of its own
         blocks = re.findall(r"```python\n(.*?)```", test_docs._page(page), flags=re.S)
         out += [(f"{page}/b{i:02d}", code) for i, code in enumerate(blocks)]
     return out
@@ -650,9 +651,10 @@ def _mutated_log(mutate: bool):
 
 
 def record_examples(unit: str) -> dict[str, str]:
-    """Run the blocks of README.md ("readme") or of the documentation pages ("docs") in one
-    namespace, as their tests do, recording what each block's transformed functions emit:
-    `<unit>/<block>/<label>/<k>`, the k-th distinct jaxpr of that label in that block."""
+    """Run the blocks of README.md ("readme") or of the documentation pages ("docs"), each
+    page's in a namespace of its own, as their tests do, recording what each block's
+    transformed functions emit: `<unit>/<block>/<label>/<k>`, the k-th distinct jaxpr of
+    that label in that block."""
     global _TMP
     tmp = tempfile.mkdtemp(prefix="eqx-logs-golden-")
     _TMP, old_tempdir = tmp, tempfile.tempdir
@@ -664,7 +666,10 @@ def record_examples(unit: str) -> dict[str, str]:
     try:
         os.chdir(tmp)
         blocks = _readme_blocks() if unit == "readme" else _docs_blocks()
+        page = None
         for name, code in blocks:
+            if name.rpartition("/")[0] != page:  # each page runs alone, as its test runs it
+                page, namespace = name.rpartition("/")[0], {}
             if f"{unit}/{name}" in SKIP_BLOCKS:
                 continue
             RECORDER.entries = []
@@ -704,10 +709,9 @@ def record_examples(unit: str) -> dict[str, str]:
 # ----------------------------------------------------------------------------------------
 
 # The fast subset (tests/test_golden_jaxprs.py, the default suite): the first two cases of
-# every kind and the README's examples but its two slowest blocks (diffrax; an instrumented
-# MLP under grad), which define nothing the others use.
+# every kind and the README's examples.
 FAST_PER_KIND = 2
-FAST_SKIP_BLOCKS = ("readme/b13", "readme/b16")
+FAST_SKIP_BLOCKS: tuple[str, ...] = ()
 SKIP_BLOCKS: set[str] = set()  # blocks of the README or docs not run (nor compared)
 
 
