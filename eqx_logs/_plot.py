@@ -9,13 +9,17 @@ import os
 import re
 import shlex
 import sys
-from collections.abc import Sequence
+import warnings
+from collections.abc import Sequence, Set
 
 from ._instrument import key_pattern
 from ._spelling import closest
+from ._stats import STATS
 from .loggers._jsonl import read_jsonl
 
 Curves = dict[str, dict[str, tuple[list[float], list[float]]]]
+# `lines[key][(run, lane)] = (xs, ys)`: `lane` names a device, "" for a key of one value
+Lines = dict[str, dict[tuple[str, str], tuple[list[float], list[float]]]]
 
 
 def _number(value: object) -> float | None:
@@ -34,8 +38,10 @@ def find_runs(path: str) -> list[str]:
         return [path]
     found = []
     for root, dirs, files in os.walk(path):
-        dirs.sort()
-        found += [os.path.join(root, f) for f in sorted(files) if f.endswith(".jsonl")]
+        dirs.sort(key=_natural)  # a multirun's jobs 0, 1, ..., 9, 10 in order
+        found += [
+            os.path.join(root, f) for f in sorted(files, key=_natural) if f.endswith(".jsonl")
+        ]
     return found
 
 
@@ -90,47 +96,148 @@ def run_names(files: Sequence[str]) -> dict[str, str]:
     return {f: os.path.relpath(os.path.abspath(f), root) for f in files}
 
 
-def load_curves(
+def _floats(value: object) -> list[float] | None:
+    """The numbers of a (nested) list, flattened; None where anything else is in it."""
+    if not isinstance(value, list):
+        number = _number(value)
+        return None if number is None else [number]
+    out: list[float] = []
+    for v in value:
+        numbers = _floats(v)
+        if numbers is None:
+            return None
+        out += numbers
+    return out
+
+
+def _per_device(value: object, steps: object) -> list[tuple[float | None, float]] | None:
+    """`(x, y)` for each device of a record that holds one value per device (`value` and its
+    step lists of the same length, as a spool keeping a key per device writes them), else
+    None: a vector logged at one step is not one value per device."""
+    ys = _floats(value) if isinstance(value, list) else None
+    xs = _floats(steps) if isinstance(steps, list) else None
+    if ys is None or xs is None or len(xs) != len(ys) or len(ys) < 2:
+        return None
+    return list(zip(xs, ys))
+
+
+def _natural(text: str) -> list[object]:
+    """A sort key that orders the numbers in `text` by value: `layers[2]` before `layers[10]`."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
+
+
+def read_lines(
     files: Sequence[str], keys: Sequence[str] = ("*",), step: str = "step"
-) -> tuple[Curves, set[str], set[str]]:
-    """`curves[key][label] = (xs, ys)` for every scalar key matching one of `keys`
-    (`key_matches`), one label per run (`run_names`, and the logger's run index where not 0);
-    x is the record's `step`, or its index among the key's records. Also returns the keys
-    skipped because their values are not scalars, and the keys plotted against the index
-    because their records have no `step`."""
-    curves: Curves = {}
+) -> tuple[Lines, set[str], set[str]]:
+    """`lines[key][(run, lane)] = (xs, ys)` for every key matching one of `keys`
+    (`key_matches`) whose values are numbers: one line per run (`run_names`, and the logger's
+    run index where not 0), and where a key holds one value per device, one per device too
+    (`lane` is `device <i>`, or for records that `logger.tap` wrote per device, the axis
+    index that tells them apart: `d=2`; `""` for a scalar key). x is the record's `step`, or
+    its index among the line's records. Also returns the keys skipped because their values
+    are not numbers (vectors, pytrees), and the keys plotted against the index because their
+    records have no `step`."""
+    lines: Lines = {}
     skipped: set[str] = set()
     unstepped: set[str] = set()
     names = run_names(files)
-    for file in files:
-        name = names[file]
+    rank: dict[str, tuple[int, int]] = {}  # the runs' order: by file, then by run index
+    for n, file in enumerate(files):
+        # (key, run) -> [(x, y, the record's other integer fields)] of its scalar records
+        scalars: dict[tuple[str, str], list[tuple[float | None, float, dict]]] = {}
+        devices: dict[tuple[str, str, str], list[tuple[float | None, float]]] = {}
         for record in read_jsonl(file):
             key = record.get("key")
             if not isinstance(key, str) or not any(key_matches(key, k) for k in keys):
                 continue
+            run = record.get("run", 0)
+            label = " ".join(p for p in (names[file], f"run {run}" if run else "") if p)
+            label = label or "run 0"
+            rank.setdefault(label, (n, run if isinstance(run, int) else 0))
             y = _number(record.get("value"))
-            if y is None:
+            if y is not None:
+                other = {
+                    k: v
+                    for k, v in record.items()
+                    if k not in ("run", "key", "value", "count", step)
+                    and isinstance(v, int)
+                    and not isinstance(v, bool)
+                }
+                scalars.setdefault((key, label), []).append((_number(record.get(step)), y, other))
+                continue
+            points = _per_device(record.get("value"), record.get(step))
+            if points is None:
                 skipped.add(key)
                 continue
-            run = record.get("run", 0)
-            label = " ".join(p for p in (name, f"run {run}" if run else "") if p) or "run 0"
-            xs, ys = curves.setdefault(key, {}).setdefault(label, ([], []))
-            x = _number(record.get(step))
-            if x is None:
-                unstepped.add(key)
-            xs.append(float(len(xs)) if x is None else x)
-            ys.append(y)
-    return curves, skipped - set(curves), unstepped
+            for i, point in enumerate(points):
+                devices.setdefault((key, label, f"device {i}"), []).append(point)
+        for (key, label), rows in scalars.items():
+            for lane, points in _split_lanes(rows).items():
+                devices[(key, label, lane)] = points
+        for (key, label, lane), points in devices.items():
+            xs, ys = lines.setdefault(key, {}).setdefault((label, lane), ([], []))
+            for x, y in points:
+                if x is None:
+                    unstepped.add(key)
+                xs.append(float(len(xs)) if x is None else x)
+                ys.append(y)
+    for key, by_line in lines.items():  # runs in their files' order, devices by number
+        order = sorted(by_line, key=lambda line: (rank[line[0]], _natural(line[1])))
+        lines[key] = {line: by_line[line] for line in order}
+    return lines, skipped - set(lines), unstepped
 
 
-def no_match(files: Sequence[str], keys: Sequence[str]) -> str:
-    """The error for patterns that match no scalar key: the scalar keys the files hold, and
-    how to pick some (the key closest to the first pattern, and a `prefix/*` pattern)."""
+def _split_lanes(
+    rows: list[tuple[float | None, float, dict]],
+) -> dict[str, list[tuple[float | None, float]]]:
+    """The scalar records of one key and run, split into lines by the fields that tell apart
+    records at the same step (the axis indices `logger.tap` writes for each device's event,
+    `{"d": 2, ...}`); one line `""` where no step repeats."""
+    seen: dict[float | None, list[dict]] = {}
+    for x, _, other in rows:
+        seen.setdefault(x, []).append(other)
+    fields = sorted(
+        {
+            f
+            for x, at_x in seen.items()
+            if x is not None and len(at_x) > 1
+            for f in set().union(*at_x)
+            if len({o.get(f) for o in at_x}) > 1
+        }
+    )
+    if not fields:
+        return {"": [(x, y) for x, y, _ in rows]}
+    out: dict[str, list[tuple[float | None, float]]] = {}
+    for x, y, other in rows:
+        lane = ",".join(f"{f}={other.get(f)}" for f in fields)
+        out.setdefault(lane, []).append((x, y))
+    return out
+
+
+def load_curves(
+    files: Sequence[str], keys: Sequence[str] = ("*",), step: str = "step"
+) -> tuple[Curves, set[str], set[str]]:
+    """`read_lines` with one label per line, `curves[key][label] = (xs, ys)`: the run's name,
+    and for a key with one value per device, the device after it (`run 0 device 1`)."""
+    lines, skipped, unstepped = read_lines(files, keys, step)
+    curves = {
+        key: {" ".join(p for p in line if p): xy for line, xy in by_line.items()}
+        for key, by_line in lines.items()
+    }
+    return curves, skipped, unstepped
+
+
+def no_match(files: Sequence[str], keys: Sequence[str], step: str = "step") -> str:
+    """The error for patterns that match no key of numbers: the keys of numbers the files hold
+    (scalars, or one value per device), and how to pick some (the key closest to the first
+    pattern, and a `prefix/*` pattern)."""
     scalar, other = set(), set()
     for f in files:
         for r in read_jsonl(f):
             if isinstance(r.get("key"), str):
-                (other if _number(r.get("value")) is None else scalar).add(r["key"])
+                numbers = _number(r.get("value")) is not None
+                numbers = numbers or _per_device(r.get("value"), r.get(step)) is not None
+                (scalar if numbers else other).add(r["key"])
     asked = " ".join(f"-k {shlex.quote(k)}" for k in keys)
     where = f"{len(files)} file(s)" if len(files) > 1 else files[0]
     if not scalar:
@@ -152,46 +259,233 @@ def no_match(files: Sequence[str], keys: Sequence[str]) -> str:
     )
 
 
-def plot(
-    curves: Curves,
-    output: str,
+def _statistic(key: str) -> tuple[str, str] | None:
+    """`(where, statistic)` of a key `eqx_logs.instrument` or `log_stats` logs:
+    `layers[0]/grad/rms` gives `("layers[0]/grad", "rms")`; None for another key."""
+    where, _, stat = key.rpartition("/")
+    return (where, stat) if where and stat in STATS else None
+
+
+def arrange(keys: Sequence[str]) -> list[list[str | None]]:
+    """The panels' places, row by row (`None`: an empty place). The training metrics come
+    first, the loss leading; then the statistics (`_statistic`), grouped by where they were
+    taken, layer by layer (`layers[2]` before `layers[10]`, each layer's gradient after its
+    output): a row per layer and a column per statistic where the layers have three or more,
+    otherwise in rows of two to four panels."""
+    stats: dict[str, list[str]] = {}
+    metrics: list[str] = []
+    for key in keys:
+        found = _statistic(key)
+        if found:
+            stats.setdefault(found[0], []).append(key)
+        else:
+            metrics.append(key)
+    metrics.sort(key=lambda k: ("loss" not in k.rsplit("/", 1)[-1].lower(), _natural(k)))
+    wheres = sorted(stats, key=lambda w: (_natural(w.removesuffix("/grad")), w.endswith("/grad")))
+    names = [s for s in STATS if any(_statistic(k)[1] == s for w in wheres for k in stats[w])]
+    if len(names) < 3:  # a few statistics (or none): no table of them
+        flow = metrics + [k for w in wheres for k in sorted(stats[w], key=_stat_order)]
+        cols = {1: 1, 2: 2, 3: 3, 4: 2}.get(len(flow), 3 if len(flow) <= 12 else 4)
+        return [
+            flow[i : i + cols] + [None] * (cols - len(flow[i : i + cols]))
+            for i in range(0, len(flow), cols)
+        ]
+    cols = len(names)
+    rows: list[list[str | None]] = []
+    for i in range(0, len(metrics), cols):
+        row: list[str | None] = list(metrics[i : i + cols])
+        rows.append(row + [None] * (cols - len(row)))
+    for w in wheres:
+        row = [None] * cols
+        for k in stats[w]:
+            row[names.index(_statistic(k)[1])] = k
+        rows.append(row)
+    return rows
+
+
+def _stat_order(key: str) -> int:
+    return STATS.index(key.rsplit("/", 1)[-1])
+
+
+def _run_colors(runs: Sequence[str]) -> dict[str, object]:
+    """A colour for each run: matplotlib's ten defaults, then twenty, then a colour map."""
+    import matplotlib
+
+    if len(runs) <= 10:
+        colors = [f"C{i}" for i in range(len(runs))]
+    elif len(runs) <= 20:
+        colors = list(matplotlib.colormaps["tab20"].colors)
+    else:
+        cmap = matplotlib.colormaps["viridis"]
+        colors = [cmap(i / (len(runs) - 1)) for i in range(len(runs))]
+    return dict(zip(runs, colors))
+
+
+MAX_DEVICE_LINES = 8  # a run with more devices (or several runs) draws their mean and range
+MARKED = 15  # a line of this many points or fewer marks them (two points are not a trend)
+
+
+def figure(
+    lines: Lines,
     title: str | None = None,
-    unstepped: set[str] = frozenset(),
+    unstepped: Set[str] = frozenset(),
     step: str = "step",
     logy: bool = False,
-) -> None:
-    """Draw one panel per key, a line per run, into `output` (any format matplotlib writes);
-    x is `step`, or for the keys in `unstepped` the index of the record; y is the key's last
-    `/`-part (`rms` of `layers[0]/rms`), on a log scale with `logy` (a symmetric one for a key
-    with values <= 0)."""
+):
+    """The figure of `lines` (`read_lines`): a panel per key, placed by `arrange`, titled by
+    its key. Each run has one colour in every panel; where there are several, one legend
+    above the panels names them (under `title`). A key with one value per device has a line
+    per device (a colour each, in a legend of its panel), or, with several runs or more than
+    `MAX_DEVICE_LINES` devices, the mean over the devices with their range shaded. A key
+    without a finite value says so in its panel. x is `step`, or for the keys in `unstepped`
+    the index of the record; a log scale for y with `logy` (a symmetric one for a key with
+    values <= 0). Returns the `matplotlib.figure.Figure`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    keys = sorted(curves)
-    cols = min(3, len(keys))
-    rows = math.ceil(len(keys) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 3.2 * rows), squeeze=False)
-    for ax, key in zip(axes.flat, keys):
-        for label, (xs, ys) in sorted(curves[key].items()):
-            ax.plot(xs, ys, label=label, linewidth=1.2)
-        ax.set_title(key, fontsize=10)
-        ax.set_xlabel(f"record (no {step})" if key in unstepped else step)
-        ax.set_ylabel(key.rsplit("/", 1)[-1])
+    runs = list(dict.fromkeys(run for by_line in lines.values() for run, _ in by_line))
+    colors = _run_colors(runs)
+    rows = arrange(list(lines))
+    cols = len(rows[0])
+    with plt.rc_context({"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8}):
+        fig, axes = plt.subplots(
+            len(rows),
+            cols,
+            figsize=(max(3.4 * cols, 6.0), 2.4 * len(rows) + 0.5 + 0.25 * (len(runs) > 1)),
+            squeeze=False,
+            layout="constrained",
+        )
+        for r, row in enumerate(rows):
+            for c, key in enumerate(row):
+                if key is None:
+                    axes[r, c].set_visible(False)
+                    continue
+                # the step under the lowest panel of a column only
+                below = r + 1 == len(rows) or rows[r + 1][c] is None
+                panel = _Panel(key, lines[key], colors, len(runs) > 1, step, key in unstepped)
+                panel.draw(axes[r, c], below, logy)
+        if len(runs) > 1:  # one legend for every panel, the title above its entries
+            handles = [Line2D([], [], color=colors[run], linewidth=2) for run in runs]
+            per_row = int(3.4 * cols * 72 / 6.5 / (max(len(run) for run in runs) + 5))
+            legend = fig.legend(
+                handles,
+                runs,
+                loc="outside upper center",
+                ncols=max(1, min(len(runs), per_row)),
+                frameon=False,
+                fontsize=9,
+                title=title,
+                title_fontsize=11,
+            )
+            legend.set_gid("runs")
+        elif title:
+            fig.suptitle(title, fontsize=11)
+    return fig
+
+
+class _Panel:
+    """One key's panel: `by_line` its lines (`read_lines`)."""
+
+    def __init__(self, key, by_line, colors, several_runs, step, unstepped):
+        self.key, self.by_line, self.colors, self.several_runs = key, by_line, colors, several_runs
+        self.xlabel = f"record (no {step})" if unstepped else step
+
+    def draw(self, ax, below: bool, logy: bool) -> None:
+        import numpy as np
+        from matplotlib.ticker import MaxNLocator
+
+        ax.set_title(self.key)
+        if below:
+            ax.set_xlabel(self.xlabel)
+        ys = np.array([y for _, ys in self.by_line.values() for y in ys], dtype=float)
+        finite = np.isfinite(ys)
+        if not finite.any():
+            nan = int(np.isnan(ys).sum())
+            what = (
+                f"all {len(ys)} values are NaN"
+                if nan == len(ys)
+                else f"no finite value:\n{nan} NaN, {len(ys) - nan} infinite"
+            )
+            xs = [x for xs, _ in self.by_line.values() for x in xs]
+            what += f"\n({self.xlabel} {min(xs):g} to {max(xs):g})"
+            ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, color="0.3")
+            ax.set_xticks([])
+            ax.set_yticks([])
+            return
+        if not finite.all():
+            nan, bad = int(np.isnan(ys).sum()), int((~finite).sum())
+            what = "NaN" if nan == bad else "not finite"
+            ax.set_title(f"{self.key} ({bad} of {len(ys)} {what})")
+        by_run: dict[str, list[tuple[str, list[float], list[float]]]] = {}
+        for (run, lane), (xs, ys_) in self.by_line.items():
+            by_run.setdefault(run, []).append((lane, xs, ys_))
+        ranges = set()  # the numbers of devices drawn as a mean and range
+        for run, lanes in by_run.items():
+            if len(lanes) == 1 and not lanes[0][0]:
+                self._line(ax, lanes[0][1], lanes[0][2], self.colors[run], run)
+            elif not self.several_runs and len(lanes) <= MAX_DEVICE_LINES:
+                for i, (lane, xs, ys_) in enumerate(lanes):
+                    self._line(ax, xs, ys_, f"C{i}", run, label=lane, linewidth=1.0)
+                ax.legend(fontsize=7, ncols=2 if len(lanes) > 4 else 1, framealpha=0.7)
+            else:
+                self._range(ax, lanes, self.colors[run], run)
+                ranges.add(len(lanes))
+        if ranges:
+            n = f"{min(ranges)}" if len(ranges) == 1 else f"{min(ranges)} to {max(ranges)}"
+            note = f"mean of {n} devices, min to max shaded"
+            kw = dict(ha="right", va="top", transform=ax.transAxes, fontsize=7, color="0.35")
+            ax.text(0.98, 0.96, note, **kw)
+        if self.key.rsplit("/", 1)[-1] == "nonfinite":  # a count: 0, 1, ..., not 0.02
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            if np.nanmax(np.abs(ys[finite])) == 0:
+                ax.set_ylim(-0.1, 1)
         if logy:
-            positive = all(y > 0 for _, ys in curves[key].values() for y in ys)
-            ax.set_yscale("log" if positive else "symlog")
+            ax.set_yscale("log" if (ys[finite] > 0).all() else "symlog")
         ax.grid(alpha=0.3)
-        if len(curves[key]) > 1:
-            ax.legend(fontsize=7)
-    for ax in axes.flat[len(keys) :]:
-        ax.set_visible(False)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
+
+    @staticmethod
+    def _line(ax, xs, ys, color, run, label=None, linewidth=1.2) -> None:
+        """A line of `run` (its `gid`), its points marked where there are few."""
+        marker = "o" if len(xs) <= MARKED else None
+        kw = dict(color=color, label=label, linewidth=linewidth, marker=marker, ms=3, gid=run)
+        ax.plot(xs, ys, **kw)
+
+    def _range(self, ax, lanes, color, run) -> None:
+        """The mean over the devices at each x, their minimum to maximum shaded."""
+        import numpy as np
+
+        at: dict[float, list[float]] = {}
+        for _, xs, ys in lanes:
+            for x, y in zip(xs, ys):
+                at.setdefault(x, []).append(y)
+        xs = sorted(at)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # (an x with NaN only)
+            lo, mean, hi = (
+                np.array([f(np.array(at[x], dtype=float)) for x in xs])
+                for f in (np.nanmin, np.nanmean, np.nanmax)
+            )
+        ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0, gid=run)
+        self._line(ax, xs, mean, color, run)
+
+
+def plot(
+    lines: Lines,
+    output: str,
+    title: str | None = None,
+    unstepped: Set[str] = frozenset(),
+    step: str = "step",
+    logy: bool = False,
+) -> None:
+    """Draw `figure(...)` into `output` (any format matplotlib writes)."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(lines, title, unstepped, step, logy)
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    fig.savefig(output, dpi=120)
+    fig.savefig(output, dpi=110)
     plt.close(fig)
 
 
@@ -240,18 +534,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: no .jsonl files in {args.run_dir!r}", file=sys.stderr)
         return 2
     try:
-        curves, skipped, unstepped = load_curves(files, keys, args.step)
+        lines, skipped, unstepped = read_lines(files, keys, args.step)
     except ValueError as e:  # a file that is not a JsonlLogger's, named by the reader
         print(f"error: {e}", file=sys.stderr)
         return 2
     if skipped:
         names = ", ".join(sorted(skipped))
         print(f"not plotted (values are not scalars): {names}", file=sys.stderr)
-    if not curves:
-        print(no_match(files, keys), file=sys.stderr)
+    if not lines:
+        print(no_match(files, keys, args.step), file=sys.stderr)
         return 2
     try:
-        plot(curves, output, args.run_dir, unstepped, args.step, args.logy)
+        plot(lines, output, args.run_dir, unstepped, args.step, args.logy)
     except ImportError as e:
         if e.name is None or e.name.split(".")[0] != "matplotlib":
             raise
@@ -261,9 +555,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    n = sum(len(c) for c in curves.values())
-    print(f"wrote {output}: {len(curves)} keys, {n} curves from {len(files)} file(s)")
-    labels = sorted({label for c in curves.values() for label in c})
-    if len(labels) > 1:
-        print("runs: " + ", ".join(labels))
+    n = sum(len(c) for c in lines.values())
+    print(f"wrote {output}: {len(lines)} keys, {n} curves from {len(files)} file(s)")
+    runs = list(dict.fromkeys(run for by_line in lines.values() for run, _ in by_line))
+    if len(runs) > 1:
+        print("runs: " + ", ".join(runs))
+    empty = [key for key, by_line in lines.items() if not _finite(by_line)]
+    if empty:
+        where = "every key" if len(empty) == len(lines) else ", ".join(empty)
+        print(
+            f"no finite value (NaN or infinite only; its panel says so): {where}",
+            file=sys.stderr,
+        )
     return 0
+
+
+def _finite(by_line: dict[tuple[str, str], tuple[list[float], list[float]]]) -> bool:
+    return any(math.isfinite(y) for _, ys in by_line.values() for y in ys)
