@@ -86,6 +86,7 @@ class ConsoleLoggerConfig(_LoggerConfig):
 
     _target_: str = "eqx_logs.loggers.ConsoleLogger"
     last_only: bool = False
+    step_width: int = 5
 
 
 @dataclass

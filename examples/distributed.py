@@ -21,9 +21,9 @@ per-device keys; the events it does not select pass on to the outer one, which m
 over the devices.
 """
 
-import logging
 import os
 import sys
+import tempfile
 
 # Before JAX starts: this many CPU devices per process (a GPU or TPU host has its own).
 _processes = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("train.processes=")), 1)
@@ -90,10 +90,31 @@ def train_chunk(step, logger, state, policy, stream, params, xs, ys, start):
     return logger.spool(per_device, state, tags="global", across="d", reduce="mean")(params)
 
 
+def connect(mesh) -> None:
+    """Open the connections between the processes' devices now, with one collective over
+    the mesh. Gloo, which carries the CPU collectives between processes, prints `[Gloo] Rank
+    <r> is connected to <n> peer ranks...` for each device as it connects, from C++, straight
+    to the process's standard output, with no setting to turn it off: those lines are kept
+    out of the output; anything else printed meanwhile is passed on."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    with tempfile.TemporaryFile("w+") as caught:
+        os.dup2(caught.fileno(), 1)
+        try:
+            ones = jax.device_put(
+                np.ones(jax.device_count(), np.float32), NamedSharding(mesh, P("d"))
+            )
+            jax.block_until_ready(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones))
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        caught.seek(0)
+        rest = [line for line in caught if not line.startswith("[Gloo] Rank ")]
+    sys.stdout.write("".join(rest))
+
+
 @hydra.main(config_path="conf", config_name="distributed", version_base="1.3")
 def main(cfg: DictConfig) -> float:
-    # not JAX's search for a TPU (jax.distributed's own INFO lines stay)
-    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
     train = cfg.train
     if train.processes > 1:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -105,6 +126,8 @@ def main(cfg: DictConfig) -> float:
             initialization_timeout=120,
         )
     mesh = jax.make_mesh((jax.device_count(),), ("d",))
+    if train.processes > 1:
+        connect(mesh)
     policy = instantiate(cfg.logging)
     if train.steps % train.chunk or train.batch % jax.device_count():
         raise ValueError(

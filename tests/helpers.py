@@ -2,10 +2,62 @@
 
 import os
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 
 RTOL, ATOL = 1e-5, 1e-6
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A training loop as a script writes it (the loggers' docstring examples): `LOGGER` is filled
+# in; the script prints "done" and nothing else of its own.
+TRAINING_SCRIPT = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import optax
+
+import eqx_logs
+from eqx_logs.loggers import *
+
+model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+optimizer = optax.sgd(0.1)
+opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+x, y = jnp.array([0.5, -1.0]), jnp.array([0.25])
+
+
+def train_step(model, opt_state, x, y, step):
+    loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    eqx_logs.log({"loss": loss}, step=step)
+    updates, opt_state = optimizer.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state
+
+
+with LOGGER as logger:
+    step = logger.jit(train_step, logger.init(), interval=10)
+    for i in range(30):
+        model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+print("done")
+"""
+
+
+def run_training(logger: str, cwd, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """`TRAINING_SCRIPT` with `logger` (Python source), in a fresh Python on the CPU in
+    `cwd`: (stdout, stderr), once it has exited 0."""
+    code = TRAINING_SCRIPT.replace("LOGGER", logger)
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout, done.stderr
 
 
 def padded(events: list, bound: int, shape: tuple[int, ...], dtype) -> np.ndarray:

@@ -9,9 +9,11 @@ MultiLogger, ProgressLogger and ConsoleLogger output.
 Loggers write on a background thread, so every test closes (or flushes) before reading."""
 
 import functools
+import logging
 import math
 import os
 import re
+import sys
 import threading
 from collections import defaultdict
 from pathlib import Path
@@ -31,6 +33,7 @@ from helpers import (
     check_aligned,
     read_tensorboard,
     read_wandb,
+    run_training,
     wandb_payloads,
     write_leveldb_log,
 )
@@ -1196,7 +1199,64 @@ def test_console_tap_prints_each_event(capsys):
         logger.tap(scan_log, logger.init())(xs)
     lines = capsys.readouterr().out.splitlines()
     # a line per event; the columns widen as wider values come (`22.5`), then stay
-    assert lines == ["step=0  x=1", "step=1  x=22.5", "step=2  x=-3"], lines
+    assert lines == ["step=    0  x=1", "step=    1  x=22.5", "step=    2  x=-3"], lines
+
+
+# --- quiet backends -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "logger",
+    [
+        'JsonlLogger("run.jsonl")',
+        'ArrayLogger("arrays")',
+        'TensorBoardLogger("tb", config={"lr": 0.1})',
+        'MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1})',
+    ],
+)
+def test_a_training_loop_prints_what_it_prints(tmp_path, logger):
+    """A script's training loop with a logger prints its own line alone: nothing of the
+    backend's (MLflow's INFO lines as it makes its database), nothing on stderr. (trackio's:
+    tests/test_trackio.py.)"""
+    assert run_training(logger, tmp_path) == ("done\n", "")
+    assert any(p.is_file() for p in tmp_path.rglob("*"))  # written
+
+
+def test_quiet_drops_the_chatter_of_its_own_thread_only(capsys):
+    """`quiet` (around a backend's calls, on the writer thread): that thread's prints and
+    records below WARNING are dropped; its warnings, and another thread's prints and records
+    at the same time, pass; stdout is put back."""
+    from eqx_logs.loggers._host import _QuietStdout, quiet
+
+    chatty = logging.getLogger("eqx_logs_test_chatty")
+    handler = logging.StreamHandler(sys.stderr)  # (capsys's stderr)
+    chatty.addHandler(handler)
+    chatty.setLevel(logging.INFO)
+    chatty.propagate = False
+    inside, leave = threading.Event(), threading.Event()
+
+    def backend():
+        with quiet(stdout=True, loggers=("eqx_logs_test_chatty",)):
+            print("* Uploading logs (please wait...)")
+            chatty.getChild("store").info("Creating tables...")
+            chatty.getChild("store").warning("a real warning")
+            inside.set()
+            leave.wait(10)
+
+    try:
+        thread = threading.Thread(target=backend)
+        thread.start()
+        assert inside.wait(10)
+        print("the user's line")  # while the backend's thread is quiet
+        chatty.info("the user's record")
+        leave.set()
+        thread.join()
+    finally:
+        chatty.removeHandler(handler)
+    out, err = capsys.readouterr()
+    assert out == "the user's line\n"
+    assert err == "a real warning\nthe user's record\n"
+    assert not isinstance(sys.stdout, _QuietStdout)
 
 
 # --- W&B steps ----------------------------------------------------------------------------

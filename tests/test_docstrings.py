@@ -1,14 +1,22 @@
 """Every `!!! example` in the docstrings of the public API runs, as the README's and the
 pages' examples do: each block in a fresh namespace, with the usual imports and the few
 names the examples take as given (`CONTEXT`: an input `x`, a function `f` that logs, a
-model and its loss). An example that raises (a key that is not logged, a name
-used but not defined here) fails with its owner's name."""
+model and its loss, the loggers' training step). An example that raises (a key that is not
+logged, a name used but not defined here) fails with its owner's name.
 
+Each runs in a temporary directory of its own, where the loggers' examples write their files:
+W&B offline, MLflow's database `mlflow.db` there, trackio in a temporary `TRACKIO_DIR`, no
+Hugging Face credentials."""
+
+import atexit
 import contextlib
 import inspect
 import io
+import os
 import pathlib
 import re
+import shutil
+import tempfile
 import textwrap
 
 import pytest
@@ -18,6 +26,10 @@ import eqx_logs.config
 import eqx_logs.loggers
 
 pytestmark = pytest.mark.fast  # in `make test-fast`
+
+if "TRACKIO_DIR" not in os.environ:  # read once, when trackio is imported (tests/test_trackio.py)
+    os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="eqx_logs-trackio-")
+    atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 
 MODULES = (eqx_logs, eqx_logs.loggers, eqx_logs.config)
 
@@ -49,6 +61,17 @@ model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
 
 def loss_fn(model, x, y=y):
     return jnp.mean((model(x) - y) ** 2)
+
+
+optimizer = optax.sgd(0.1)
+opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+
+def train_step(model, opt_state, x, y, step):   # the loggers' training step (AbstractLogger's)
+    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+    eqx_logs.log({"loss": loss}, step=step)
+    updates, opt_state = optimizer.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state
 """
 
 
@@ -118,7 +141,11 @@ def test_every_example_is_collected():
 
 
 @pytest.mark.parametrize("owner, code", CASES)
-def test_docstring_example_runs(owner, code):
+def test_docstring_example_runs(owner, code, wandb_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for name in ["TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL", "HF_TOKEN", "HUGGING_FACE_HUB_TOKEN"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     namespace: dict = {"__name__": f"docstring_of_{owner.replace('.', '_')}"}
     exec(compile(IMPORTS + CONTEXT, "<docstring context>", "exec"), namespace)
     with contextlib.redirect_stdout(io.StringIO()):

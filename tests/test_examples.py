@@ -85,7 +85,9 @@ def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> li
     """Run examples/distributed.py (as `processes` processes joined over 127.0.0.1, each
     writing into `tmp_path/<name><i>`); returns each process's stdout, after checking that
     its output holds neither JAX's search for a TPU nor XLA's warnings about moving sharded
-    values to the host callback ("Involuntary full rematerialization")."""
+    values to the host callback ("Involuntary full rematerialization"), nor INFO lines (JAX's
+    distributed service) or Gloo's `[Gloo] Rank ... is connected` lines: a run prints what
+    the example prints, and nothing on stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)  # the example sets the CPU device count itself
     with socket.socket() as s:
@@ -110,6 +112,8 @@ def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> li
             assert p.returncode == 0, err[-3000:]
             assert "rematerialization" not in err, err[-3000:]
             assert "tpu" not in (out + err).lower(), out + err[-3000:]
+            assert "[Gloo]" not in out + err and "INFO" not in out + err, out + err[-3000:]
+            assert not err, err[-3000:]
             outs.append(out)
     finally:
         for p in procs:
@@ -135,7 +139,11 @@ def test_distributed_example_one_process_and_two(tmp_path):
     # the same run as two processes of 2 devices: the same records, written by process 0
     outs = _distributed(tmp_path, "two", processes=2)
     assert "4 devices in 2 process(es)" in outs[0] and "process(es)" not in outs[1]
-    assert "Starting JAX distributed service on 127.0.0.1" in outs[0]  # loopback only
+    # loopback only, said in the run's log file (not on the terminal)
+    log = (tmp_path / "two0" / "distributed.log").read_text()
+    assert "Starting JAX distributed service on 127.0.0.1" in log, log
+    assert outs[0].splitlines()[1:] == [f"written to {tmp_path / 'two0' / 'logs.jsonl'}"], outs
+    assert outs[1] == "", outs[1]
     two = read_jsonl(tmp_path / "two0" / "logs.jsonl")
     assert not (tmp_path / "two1" / "logs.jsonl").exists()
     assert [(r["key"], r.get("step")) for r in two] == [(r["key"], r.get("step")) for r in one]

@@ -271,7 +271,7 @@ def test_console_last_only_aligned(capsys):
     want = {"a": XS[-1], "loss": XS[-1] / 3, "grad/layer0": -XS[-1]}
     for key, value in want.items():
         assert math.isclose(float(row[key]), value, rel_tol=1e-3), (key, row[key])
-    assert lines == ["step=7  a=7  grad/layer0=-7  loss=2.333"]
+    assert lines == ["step=    7  a=7  grad/layer0=-7  loss=2.333"]
 
 
 def test_console_every_event_a_line_per_step(capsys):
@@ -287,7 +287,8 @@ def test_console_every_event_a_line_per_step(capsys):
         if t > 2:
             want |= {"big": str(t), "vec": f"[{t}, -{t}]"}
         assert row == want, lines
-    assert lines[0] == "step=0  all=0" and lines[3] == "step=3  all=3  big=3  vec=[3, -3]"
+    assert lines[0] == "step=    0  all=0"
+    assert lines[3] == "step=    3  all=3  big=3  vec=[3, -3]"
     assert "nan" not in "\n".join(lines)
 
 
@@ -307,13 +308,45 @@ def test_console_decimal_points_line_up(capsys):
     first = console_lines(capsys, logger, spooled(f, xs[:3]))
     later = console_lines(capsys, logger, spooled(f, xs[3:]))
     assert first == [
-        "step=0  loss=  0.5       lr= 0.05      n=  0",
-        "step=1  loss=123.2       lr=12.32      n=100",
-        "step=2  loss= -0.0125    lr=-0.00125   n=200",
+        "step=    0  loss=  0.5       lr= 0.05      n=  0",
+        "step=    1  loss=123.2       lr=12.32      n=100",
+        "step=    2  loss= -0.0125    lr=-0.00125   n=200",
     ]
     rows = check_aligned(first + later)  # the next write keeps the columns
     assert [float(row["loss"]) for row in rows] == pytest.approx(xs.tolist(), rel=1e-3)
-    assert later[1] == "step=1  loss=  2e-05     lr= 2e-06     n=100", later
+    assert later[1] == "step=    1  loss=  2e-05     lr= 2e-06     n=100", later
+
+
+def test_console_columns_stay_as_the_step_grows_a_digit(capsys):
+    """Steps 8, 9 -> 10 -> 99, 100 -> 1000, a write each (as `logger.jit` makes them): every
+    key's `name=` starts in the same column on every line, the step right-aligned in
+    `step_width` columns (a wider step widens them, once)."""
+
+    def train_step(w, step):
+        eqx_logs.log({"loss": w / (1 + step.astype(jnp.float32)), "lr": 0.1 * w}, step=step)
+        return w
+
+    steps = [8, 9, 10, 99, 100, 1000]
+    with ConsoleLogger() as logger:
+        step = logger.jit(train_step, logger.init())
+        for i in steps:
+            step(jnp.float32(1.0), jnp.int32(i))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  loss=")[0] for line in lines] == [f"step={i:>5}" for i in steps]
+    for key in ["loss=", "lr="]:
+        columns = {line.index(key) for line in lines}
+        assert len(columns) == 1, (key, lines)
+    rows = check_aligned(lines)
+    assert [float(row["loss"]) for row in rows] == pytest.approx([1 / (1 + i) for i in steps], 1e-3)
+
+    with ConsoleLogger(step_width=2) as logger:  # steps wider than that widen it, once
+        step = logger.jit(train_step, logger.init())
+        for i in steps:
+            step(jnp.float32(1.0), jnp.int32(i))
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.index("loss=") for line in lines] == [9, 9, 9, 9, 10, 11], lines
+    with pytest.raises(ValueError, match="step_width=-1"):
+        ConsoleLogger(step_width=-1)
 
 
 def test_console_events_without_step_and_repeated_steps(capsys):

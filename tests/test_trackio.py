@@ -20,6 +20,7 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_training
 from jax import lax
 from test_backends import (
     EPOCHS,
@@ -129,6 +130,16 @@ def trackio_compare(got, want, what) -> None:
     else:
         assert type(got) is float, f"{what}: {got!r}"
         close(got, want, what)
+
+
+def test_trackio_prints_nothing(tmp_path):
+    """A script's training loop with a TrackioLogger prints its own line alone: not trackio's
+    (where it writes, how to start its dashboard, "Uploading logs to Trackio (please
+    wait...)" though nothing is uploaded), nothing on stderr; the run is written."""
+    env = {"TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
+    logger = 'TrackioLogger(project="demo", config={"lr": 0.1})'
+    assert run_training(logger, tmp_path, env) == ("done\n", "")
+    assert [p.name for p in (tmp_path / "trackio").glob("*.db")] == ["demo.db"]
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -40,6 +40,21 @@ class ArrayLogger(AbstractLogger):
     **Arguments:**
 
     - `path`: the directory.
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), read back as arrays:
+
+        ```python
+        from eqx_logs.loggers import ArrayLogger, read_arrays
+
+        with ArrayLogger("arrays") as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        losses = [event["value"] for event in read_arrays("arrays")["loss"]]  # steps 0, 10, 20
+        ```
     """
 
     path: str = eqx.field(converter=os.fspath)

@@ -101,6 +101,34 @@ class AbstractLogger(eqx.Module):
         waiting for it (`close()` abandons, and counts, what it has not written). Default 60;
         `None` or `float("inf")` never gives up: nothing is dropped for a slow backend, and
         a stuck one hangs the caller.
+
+    !!! example
+
+        The training loop that calls one compiled step per Python iteration: `logger.jit`
+        compiles the step, its logs kept every `interval` steps; the step number is an array
+        (`jnp.int32(i)`), so that one compiled step serves every iteration (a Python `int`
+        would be compiled in, a new step each time). Every backend is used this way.
+
+        ```python
+        from eqx_logs.loggers import JsonlLogger
+
+        model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+        optimizer = optax.sgd(0.1)
+        opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+
+
+        def train_step(model, opt_state, x, y, step):
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
+            eqx_logs.log({"loss": loss}, step=step)
+            updates, opt_state = optimizer.update(grads, opt_state, model)
+            return eqx.apply_updates(model, updates), opt_state
+
+
+        with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        ```
     """
 
     # keyword-only, so that backends' own fields may come without defaults before it

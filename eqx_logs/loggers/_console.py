@@ -92,21 +92,48 @@ class ConsoleLogger(AbstractLogger):
     values, the count of reduced keys, then every key logged at that step, prefixed by
     `[run r]` for runs other than 0. Numbers have 4 significant digits and a column per
     name, so that their decimal points line up from one line to the next (the columns widen
-    as wider values come). Events without a step go on lines of their own, after the others.
+    as wider values come). The step values take at least `step_width` columns, so that the
+    keys' columns stay where they are as the step grows a digit. Events without a step go on
+    lines of their own, after the others.
 
     ```
-    step=  0  grad/layer0=0.06229   grad/layer1=0.4106    grad/layer2=0.5984    loss=0.2783
-    step=100  grad/layer0=0.04327   grad/layer1=0.07802   grad/layer2=0.06296   loss=0.1876
-    step=900  grad/layer0=0.009021  grad/layer1=0.009544  grad/layer2=0.004107  loss=0.009483
+    step=    0  grad/layer0=0.06229   grad/layer1=0.4106    grad/layer2=0.5984    loss=0.2783
+    step=  100  grad/layer0=0.04327   grad/layer1=0.07802   grad/layer2=0.06296   loss=0.1876
+    step= 1000  grad/layer0=0.009021  grad/layer1=0.009544  grad/layer2=0.004107  loss=0.009483
     ```
 
     **Arguments:**
 
     - `last_only`: print only the latest event of each key of each spooled call (tapped events
         are always printed one by one): a line per call where the keys share their step.
+    - `step_width`: the least width of the step values (and of the `count` of reduced keys),
+        right-aligned: 5 holds steps up to 99999 (a wider step widens its column, and moves
+        the keys' columns, once).
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), a line every 10 steps:
+
+        ```python
+        from eqx_logs.loggers import ConsoleLogger
+
+        with ConsoleLogger() as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        ```
     """
 
     last_only: bool = False
+    step_width: int = 5
+
+    def __check_init__(self):
+        if type(self.step_width) is not int or self.step_width < 0:
+            raise ValueError(
+                f"ConsoleLogger(step_width={self.step_width!r}): the least width of the step "
+                "values is an integer >= 0 (0: as wide as each step is)."
+            )
 
     def _open(self, run: int) -> dict[str, tuple[int, int]]:
         # each name's column: the widths of the parts before and after the decimal point
@@ -116,17 +143,18 @@ class ConsoleLogger(AbstractLogger):
         if self.last_only:
             records = list({r["key"]: r for r in records}.values())
         rows = [
-            [(name, _cell(v)) for name, v in (*steps.items(), *values.items())]
+            [(name, _cell(v), self.step_width) for name, v in steps.items()]
+            + [(name, _cell(v), 0) for name, v in values.items()]
             for steps, values in _lines(records)
         ]
         for row in rows:  # widen the columns first, so that this write's lines line up too
-            for name, (left, right, room) in row:
-                width = handle.get(name, (0, 0))
+            for name, (left, right, room), least in row:
+                width = handle.get(name, (least, 0))
                 handle[name] = (max(width[0], len(left)), max(width[1], len(right), room))
         tag = f"[run {run}] " if run else ""
         for row in rows:
             fields = []
-            for name, (left, right, _) in row:
+            for name, (left, right, _), _ in row:
                 before, after = handle[name]
                 fields.append(f"{name}={left:>{before}}{right:<{after}}")
             print((tag + "  ".join(fields)).rstrip(), file=sys.stdout, flush=True)

@@ -2,11 +2,15 @@
 (`to_host`) and made records, names of files and runs, values as JSON, numpy arrays and
 tracker rows."""
 
+import contextlib
 import functools
 import hashlib
+import logging
 import math
 import os
 import re
+import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -179,6 +183,79 @@ def require(module: str, extra: str, who: str) -> Any:
             f"{who} needs {module.split('.')[0]}: pip install '.[{extra}]' from the eqx_logs "
             f"checkout (or pip install {module.split('.')[0]})"
         ) from e
+
+
+@contextlib.contextmanager
+def quiet(*, stdout: bool = False, loggers: tuple[str, ...] = ()) -> Iterator[None]:
+    """A backend's chatter, dropped while the block runs on this thread (the writer's): what
+    it prints to stdout (`stdout=True`), and the records below WARNING logged through
+    `loggers` (by name, their children included) to those loggers' handlers. Other threads
+    print and log as before; warnings, errors and exceptions pass."""
+    with contextlib.ExitStack() as stack:
+        if stdout:
+            stack.enter_context(_QuietStdout.installed())
+            stack.enter_context(_quieting("stdout"))
+        if loggers:
+            for name in loggers:
+                for handler in logging.getLogger(name).handlers:
+                    if _QUIET_LOGS not in handler.filters:  # left there: it passes the rest
+                        handler.addFilter(_QUIET_LOGS)
+            stack.enter_context(_quieting("logs"))
+        yield
+
+
+_quiet = threading.local()  # per thread: how many `quiet` blocks drop its "stdout", "logs"
+
+
+@contextlib.contextmanager
+def _quieting(what: str) -> Iterator[None]:
+    setattr(_quiet, what, getattr(_quiet, what, 0) + 1)
+    try:
+        yield
+    finally:
+        setattr(_quiet, what, getattr(_quiet, what) - 1)
+
+
+class _QuietLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not getattr(_quiet, "logs", 0)
+
+
+_QUIET_LOGS = _QuietLogs()
+
+
+class _QuietStdout:
+    """`sys.stdout` while a thread is inside a `quiet(stdout=True)` block: that thread's writes
+    are dropped, every other thread's go to the stream it replaced."""
+
+    _lock = threading.Lock()
+    _users = 0
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return len(text) if getattr(_quiet, "stdout", 0) else self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+    @classmethod
+    @contextlib.contextmanager
+    def installed(cls) -> Iterator[None]:
+        with cls._lock:
+            if not isinstance(sys.stdout, cls):
+                sys.stdout = cls(sys.stdout)
+            cls._users += 1
+        try:
+            yield
+        finally:
+            with cls._lock:
+                cls._users -= 1
+                # put back, unless another thread's block needs it or stdout was replaced
+                # since (then it stays where it is, passing every write on)
+                if cls._users == 0 and isinstance(sys.stdout, cls):
+                    sys.stdout = sys.stdout._stream
 
 
 def steps_of(record: Record) -> dict[str, Any]:

@@ -27,6 +27,22 @@ class JsonlLogger(AbstractLogger):
 
     - `path`: the file; its directory is created.
     - `fsync_every`: seconds between fsyncs (0: after every write).
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), its losses read back:
+
+        ```python
+        from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+        with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        losses = [(r["step"], r["value"]) for r in read_jsonl("run.jsonl") if r["key"] == "loss"]
+        # steps 0, 10, 20
+        ```
     """
 
     path: str = eqx.field(converter=os.fspath)

@@ -13,6 +13,7 @@ from ._host import (
     flat_items,
     is_scalar,
     process_suffix,
+    quiet,
     require,
     unique_name,
 )
@@ -51,6 +52,21 @@ class MLflowLogger(AbstractLogger):
         dotted keys (`train.lr`; lists as JSON text), in batches of 100. A value longer than
         500 characters (what older MLflow servers keep) is cut to 500, ending in `...`; the
         whole config is also saved as the run's artifact `config.json`.
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), tracked in a local database:
+
+        ```python
+        from eqx_logs.loggers import MLflowLogger
+
+        with MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1}) as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        # mlflow ui --backend-store-uri sqlite:///mlflow.db
+        ```
     """
 
     tracking_uri: str
@@ -63,6 +79,10 @@ class MLflowLogger(AbstractLogger):
         require("mlflow", "mlflow", "MLflowLogger")
 
     def _open(self, run: int) -> tuple[Any, str, dict[str, int]]:
+        with _quiet():
+            return self._open_run(run)
+
+    def _open_run(self, run: int) -> tuple[Any, str, dict[str, int]]:
         mlflow = require("mlflow", "mlflow", "MLflowLogger")
         client = mlflow.MlflowClient(tracking_uri=self.tracking_uri)
         experiment = client.get_experiment_by_name(self.experiment)
@@ -86,6 +106,10 @@ class MLflowLogger(AbstractLogger):
         return None
 
     def _write(self, handle: tuple[Any, str, dict[str, int]], run: int, rows: list[Record]):
+        with _quiet():
+            self._write_rows(handle, rows)
+
+    def _write_rows(self, handle: tuple[Any, str, dict[str, int]], rows: list[Record]):
         entities = require("mlflow.entities", "mlflow", "MLflowLogger")
         client, run_id, counters = handle
         now = int(time.time() * 1000)
@@ -107,7 +131,14 @@ class MLflowLogger(AbstractLogger):
 
     def _close(self, handle: tuple[Any, str, dict[str, int]]) -> None:
         client, run_id, _ = handle
-        client.set_terminated(run_id)
+        with _quiet():
+            client.set_terminated(run_id)
+
+
+def _quiet():
+    """MLflow's INFO records (`Creating initial MLflow database tables...` as a database is
+    made), not printed from the writer thread; its warnings pass."""
+    return quiet(loggers=("mlflow", "alembic"))
 
 
 # What every MLflow server accepts: 500 characters a param value (6000 on recent servers), 100

@@ -41,6 +41,20 @@ class MultiLogger(AbstractLogger):
     - `config`: the run's configuration, recorded by each of `loggers` that was not given
         one of its own (see [`eqx_logs.loggers.AbstractLogger`][]); `self.loggers` holds
         those loggers with it (copies that share their writers).
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), printed and written to a file:
+
+        ```python
+        from eqx_logs.loggers import ConsoleLogger, JsonlLogger, MultiLogger
+
+        with MultiLogger(ConsoleLogger(), JsonlLogger("run.jsonl")) as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        ```
     """
 
     loggers: tuple[AbstractLogger, ...]

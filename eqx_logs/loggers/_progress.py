@@ -59,6 +59,20 @@ class ProgressLogger(AbstractLogger):
     - `desc`: the bar's label.
     - `step`: the step name that positions the bar.
     - `ncols`: the bar's width in columns; `None` follows the terminal.
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example); the bar ends at `total` when the logger is closed:
+
+        ```python
+        from eqx_logs.loggers import ProgressLogger
+
+        with ProgressLogger(total=30, desc="train") as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        ```
     """
 
     total: int | None = None

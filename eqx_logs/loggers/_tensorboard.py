@@ -136,6 +136,21 @@ class TensorBoardLogger(AbstractLogger):
         [`eqx_logs.loggers.AbstractLogger`][]), written to each run as its hparams (the
         HParams dashboard's session start info), flattened with dotted keys (`train.lr`;
         lists as JSON text). TensorBoard infers the experiment from the runs' hparams.
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example):
+
+        ```python
+        from eqx_logs.loggers import TensorBoardLogger
+
+        with TensorBoardLogger("tb", config={"lr": 0.1}) as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        # tensorboard --logdir tb
+        ```
     """
 
     logdir: str = eqx.field(converter=os.fspath)

@@ -8,7 +8,7 @@ import equinox as eqx
 import numpy as np
 
 from ._base import AbstractLogger
-from ._host import Record, not_complex, process_suffix, require, rows_by_step
+from ._host import Record, not_complex, process_suffix, quiet, require, rows_by_step
 
 
 class _RunIds:
@@ -48,14 +48,20 @@ class TrackioLogger(AbstractLogger):
     - `step`: the step name used as trackio's step.
     - `system_metrics`: also let trackio sample CPU and GPU metrics (a thread per run).
 
-    ```python
-    logger = TrackioLogger(project="mnist", config={"lr": 1e-3})
-    with logger:
-        state = logger.init()
-        for step in range(steps):
-            params = logger.spool(train_step, state)(params, step)
-    # trackio show --project mnist
-    ```
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example):
+
+        ```python
+        from eqx_logs.loggers import TrackioLogger
+
+        with TrackioLogger(project="demo", config={"lr": 0.1}) as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        # trackio show --project demo
+        ```
     """
 
     project: str = "eqx_logs"
@@ -84,17 +90,21 @@ class TrackioLogger(AbstractLogger):
         resume = "allow" if run in self._runs.opened else "never"
         # trackio.init finishes the "current" run of the calling context: each run is made in
         # a context of its own, so that the runs of one logger (one per vmap lane) stay open
-        trackio_run = contextvars.Context().run(
-            trackio.init,
-            project=self.project,
-            name=f"{self.name}-{run}{process_suffix(self.every_process)}",
-            group=self.name,
-            config=self.config,
-            resume=resume,
-            embed=False,
-            auto_log_cpu=self.system_metrics,
-            auto_log_gpu=self.system_metrics,
-        )
+        # trackio prints where it writes, how to see the runs and, as a run finishes, that it
+        # "uploads" it (to its local database): not here, on the writer thread (the
+        # docstring says where the runs are); its warnings pass
+        with quiet(stdout=True):
+            trackio_run = contextvars.Context().run(
+                trackio.init,
+                project=self.project,
+                name=f"{self.name}-{run}{process_suffix(self.every_process)}",
+                group=self.name,
+                config=self.config,
+                resume=resume,
+                embed=False,
+                auto_log_cpu=self.system_metrics,
+                auto_log_gpu=self.system_metrics,
+            )
         self._runs.opened.add(run)
         return trackio_run
 
@@ -111,7 +121,8 @@ class TrackioLogger(AbstractLogger):
             handle.log(row)
 
     def _close(self, handle: Any) -> None:
-        handle.finish()  # waits for trackio's own writer thread
+        with quiet(stdout=True):
+            handle.finish()  # waits for trackio's own writer thread
 
 
 def _check_reserved(config: dict[str, Any] | None) -> None:

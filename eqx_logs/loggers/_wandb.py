@@ -23,6 +23,21 @@ class WandbLogger(AbstractLogger):
     - `config`: the run's configuration, passed to `wandb.init` as the W&B run's config
         (keyword-only; see [`eqx_logs.loggers.AbstractLogger`][]).
     - `step`: the step name used as W&B's step.
+
+    !!! example
+
+        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
+        example), written offline:
+
+        ```python
+        from eqx_logs.loggers import WandbLogger
+
+        with WandbLogger(project="demo", mode="offline", config={"lr": 0.1}) as logger:
+            step = logger.jit(train_step, logger.init(), interval=10)
+            for i in range(30):  # the step as an array: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+        # wandb sync wandb/offline-run-*
+        ```
     """
 
     project: str | None = None
