@@ -4,11 +4,20 @@
 are filtered as by `eqx.filter_jit`, which keeps Python scalars static. In a training loop that
 is a compilation per step (minutes, then the compiler's memory). Nothing is wrong with one
 compilation per value of a few configuration scalars, so the warning waits for `AFTER`
-compilations that differ in nothing else."""
+compilations that differ in nothing else; it comes again as their count grows (at 4, 16, 64,
+256, ... compilations), with the time spent compiling.
+
+`note_compile` is called as a compilation's trace starts; `finish`, by the same caller once
+the call that compiled returns: the time between is the compilation's (its trace, lowering and
+compiling, and the dispatch of its first run), and a warning due is given then, at the
+user's line."""
 
 import collections
+import dataclasses
+import functools
 import inspect
 import threading
+import time
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -19,17 +28,32 @@ import jax.tree_util as jtu
 from ._warn import warn_user
 
 AFTER = 4  # compilations differing only in one Python scalar before the warning
+AGAIN = 4  # then again each time their count has grown this many times over
+_SAMPLE = 2 * AFTER  # the distinct values remembered per group (the count goes on beyond)
 _GROUPS = 256  # the (function, argument structure) groups remembered, most recent first
 
+
+@dataclasses.dataclass(eq=False)
+class _Group:
+    """The compilations of one function for one structure of its other arguments."""
+
+    count: int = 0
+    seconds: float = 0.0  # spent compiling them, as `finish` measures it
+    values: list[tuple[Any, ...]] = dataclasses.field(default_factory=list)  # a sample
+    due: int = AFTER  # the count at which to warn next
+
+
 _lock = threading.Lock()
-_seen: "collections.OrderedDict[Hashable, list[tuple[Any, ...]]]" = collections.OrderedDict()
-_warned: set[tuple[Hashable, int]] = set()
+_groups: "collections.OrderedDict[Hashable, _Group]" = collections.OrderedDict()
+# thread -> its compilations under way: (group, start, the warnings to give at their end)
+OPEN: dict[int, list[tuple[_Group, float, list[Callable[[float], str]]]]] = {}
 
 
 def note_compile(who: str, key: Hashable, fun: Callable, args: tuple, kwargs: dict) -> None:
     """Called when `who` (`"eqx_logs.spool"`) traces `fun(*args, **kwargs)` to compile it;
-    `key` identifies `fun` across compilations. After `AFTER` compilations that differ only
-    in the value of a Python `int` or `float` argument, warn once, naming it."""
+    `key` identifies `fun` across compilations. Once `AFTER` compilations differ only in the
+    value of a Python `int` or `float` argument, and again at `AFTER * AGAIN**k` of them, a
+    warning names it and the time spent compiling, at the caller's `finish`."""
     leaves = jtu.tree_flatten_with_path((args, kwargs))[0]
     scalars = [(path, x) for path, x in leaves if type(x) in (int, float)]
     if not scalars:
@@ -39,36 +63,60 @@ def note_compile(who: str, key: Hashable, fun: Callable, args: tuple, kwargs: di
         for path, x in leaves
         if type(x) not in (int, float)
     )
-    group = (key, tuple(path for path, _ in scalars), rest)
+    key = (who, key, tuple(path for path, _ in scalars), rest)
     try:
-        hash(group)
+        hash(key)
     except TypeError:  # (an unhashable static argument: eqx.filter_jit says so)
         return
     values = tuple(x for _, x in scalars)
     with _lock:
-        seen = _seen.setdefault(group, [])
-        _seen.move_to_end(group)
-        while len(_seen) > _GROUPS:
-            _seen.popitem(last=False)
-        if values not in seen and len(seen) < 2 * AFTER:
-            seen.append(values)
-        new = [
-            i
-            for i in range(len(scalars))
-            if (group, i) not in _warned and len({v[i] for v in seen}) >= AFTER
-        ]
-        _warned.update((group, i) for i in new)
-    for i in new:
-        path, x = scalars[i]
-        name = _argument(fun, path)
-        some = ", ".join(repr(v[i]) for v in seen[:AFTER])
-        array = "jnp.int32" if type(x) is int else "jnp.float32"
-        warn_user(
-            f"{who}: {_name(fun)} was compiled {len(seen)} times, once for each new value of "
-            f"the Python {type(x).__name__} `{name}` ({some}, ...). Arguments are filtered as "
-            "by `eqx.filter_jit`: a Python scalar is static, so each new value compiles the "
-            f"function again. Pass an array, `{array}({name})`, to compile it once."
-        )
+        group = _groups.get(key)
+        if group is None:
+            group = _groups[key] = _Group()
+        _groups.move_to_end(key)
+        while len(_groups) > _GROUPS:
+            _groups.popitem(last=False)
+        group.count += 1
+        if values not in group.values and len(group.values) < _SAMPLE:
+            group.values.append(values)
+        due = []
+        if group.count >= group.due:
+            for i, (path, x) in enumerate(scalars):
+                some = list(dict.fromkeys(v[i] for v in group.values))
+                if len(some) >= AFTER:
+                    said = (who, fun_name(fun), group.count, _argument(fun, path), x, some[:AFTER])
+                    due.append(functools.partial(_message, *said))
+            while due and group.due <= group.count:
+                group.due *= AGAIN
+        OPEN.setdefault(threading.get_ident(), []).append((group, time.perf_counter(), due))
+
+
+def finish() -> None:
+    """Called by `note_compile`'s caller when a call that may have compiled returns (or
+    raises): the time since each compilation this thread noted is added to its group's, and
+    the warnings due are given, at the user's line."""
+    opened = OPEN.pop(threading.get_ident(), None)
+    if not opened:
+        return
+    end = time.perf_counter()
+    for group, start, due in opened:
+        with _lock:
+            group.seconds += end - start
+            seconds = group.seconds
+        for message in due:
+            warn_user(message(seconds))
+
+
+def _message(who: str, fun: str, count: int, name: str, x: Any, some: list, seconds: float):
+    array = "jnp.int32" if type(x) is int else "jnp.float32"
+    took = f"{seconds:.2f}" if seconds < 10 else f"{seconds:.0f}"
+    some = ", ".join(map(repr, some))
+    return (
+        f"{who}: {fun} was compiled {count} times so far, taking {took} s, once for each new "
+        f"value of the Python {type(x).__name__} `{name}` ({some}, ...). Arguments are "
+        "filtered as by `eqx.filter_jit`: a Python scalar is static, so each new value "
+        f"compiles the function again. Pass an array, `{array}({name})`, to compile it once."
+    )
 
 
 def fun_key(fun: Callable) -> Hashable:
@@ -79,8 +127,10 @@ def fun_key(fun: Callable) -> Hashable:
     return type(fun), jtu.tree_structure(fun)
 
 
-def _name(fun: Callable) -> str:
-    return getattr(fun, "__qualname__", None) or type(fun).__name__
+def fun_name(fun: Callable) -> str:
+    """`fun`'s name: its `__qualname__`, or its class's (an Equinox model's)."""
+    name = getattr(fun, "__qualname__", None)  # (an Equinox copy's may be `Missing`)
+    return name if isinstance(name, str) else type(fun).__name__
 
 
 def _argument(fun: Callable, path: tuple) -> str:

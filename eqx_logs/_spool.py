@@ -19,7 +19,7 @@ from ._logdict import LogDict
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
 from ._reductions import AbstractReduction
-from ._retrace import note_compile
+from ._retrace import OPEN, finish, fun_name, note_compile
 from ._rules import RULES
 
 _T = TypeVar("_T")
@@ -264,6 +264,12 @@ class _Spooled(eqx.Module):
     def __call__(self, *args, **kwargs):
         return carrying(self, "eqx_logs.spool", _Spooled._run, args, kwargs, logs=True)
 
+    def __repr__(self) -> str:
+        return f"eqx_logs.spool({fun_name(self.fun)})"
+
+    def __str__(self) -> str:
+        return under_jax_jit(repr(self))
+
     def _run(self, args: tuple, kwargs: dict) -> tuple[Any, LogDict]:
         if _compat.is_traced((args, kwargs)):
             # inside jit, grad or vmap: evaluated in that trace, as the code around it is (a
@@ -272,12 +278,34 @@ class _Spooled(eqx.Module):
         # The enclosing scope changes the keys `fun` logs, so it is part of the cache key.
         static, arrays = _split(self)
         parts = (static, current_prefix(), arrays)
-        out, children, layout = _spool_call(parts, args, kwargs)
+        try:
+            out, children, layout = _spool_call(parts, args, kwargs)
+        finally:
+            if OPEN:  # (a compilation of a Python scalar's value: timed, maybe said)
+                finish()
         return out, LogDict.tree_unflatten(layout.value, children)
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner
         return self if instance is None else jtu.Partial(self, instance)
+
+
+def under_jax_jit(shown: str, compiles: bool = False) -> str:
+    """A wrapper's `str`: its short name, `shown`, and how it is called with arguments that
+    are not arrays. `jax.jit(spool(f))(model, x)` of a model with a non-array leaf (an
+    `eqx.nn.MLP`'s activation) fails in JAX before the wrapper runs, with "Error interpreting
+    argument to {the wrapper's str} as an abstract array": that is this, in place of the
+    wrapper's pytree, many lines of internal reprs. (`compiles`: `logger.jit`, which compiles
+    the step itself.)"""
+    if compiles:
+        return (
+            f"{shown} (logger.jit compiles the step itself, its arguments filtered as by "
+            "`eqx.filter_jit`: call it directly, or under `eqx.filter_jit`, not under `jax.jit`)"
+        )
+    return (
+        f"{shown} (its arguments are filtered as by `eqx.filter_jit`: call it directly or "
+        "under `eqx.filter_jit`, not under `jax.jit`, or mark the non-array arguments static)"
+    )
 
 
 def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[Any]], Any]]:

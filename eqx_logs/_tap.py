@@ -14,8 +14,8 @@ from ._buffers import Stack
 from ._interpret import Interpreter, warn_unmatched
 from ._policy import Policy, with_options
 from ._primitive import current_prefix
-from ._retrace import fun_key, note_compile
-from ._spool import build_wrapper, carrying, trace_filtered
+from ._retrace import OPEN, finish, fun_key, fun_name, note_compile
+from ._spool import build_wrapper, carrying, trace_filtered, under_jax_jit
 from ._tapping import TAP_RULES, Tap
 
 _T = TypeVar("_T")
@@ -228,13 +228,23 @@ class _Tapped(eqx.Module):
     def __call__(self, *args, **kwargs):
         return carrying(self, "eqx_logs.tap", _Tapped._run, args, kwargs)
 
+    def __repr__(self) -> str:
+        return f"eqx_logs.tap({fun_name(self.fun)})"
+
+    def __str__(self) -> str:  # (see `under_jax_jit`)
+        return under_jax_jit(repr(self))
+
     def _run(self, args: tuple, kwargs: dict) -> Any:
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
         sink = (self.sink, self.every_process, self.buffer)
         # (whether the call is eager: compiling again for a static argument of an enclosing
         # `jax.jit` is the user's choice, and not said)
         scope = (current_prefix(), not _compat.is_traced((args, kwargs)))
-        return _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
+        try:
+            return _tap_call(self.fun, self.policy, sink, scope, self.context, args, kwargs)
+        finally:
+            if OPEN:  # (a compilation of a Python scalar's value: timed, maybe said)
+                finish()
 
     def __get__(self, instance, owner):  # a decorated method binds like a function
         del owner

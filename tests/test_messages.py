@@ -165,3 +165,91 @@ def test_a_logger_wrapper_of_a_non_callable_names_the_call(tmp_path, method, fun
     with pytest.raises(TypeError, match=rf"^JsonlLogger\.{method} expects a callable, got {got}"):
         getattr(logger, method)(fun, logger.init())
     assert not (tmp_path / "l.jsonl").exists()
+
+
+def _counted_step(w, x, i):
+    eqx_logs.log("loss", jnp.sum(w * x), step=i)
+    return w
+
+
+@pytest.mark.parametrize("form", ["logger.jit", "spool"])
+def test_a_python_int_step_is_said_again_as_its_compilations_grow(tmp_path, form):
+    """A Python-int step compiles once per step: said at 4 compilations, then at 16, 64, 256,
+    ... (a 300-step loop compiling for minutes is not silent after the first), each time with
+    the count and the seconds spent compiling, at the user's line. An array step: silent."""
+    from eqx_logs.loggers import JsonlLogger
+
+    logger = JsonlLogger(tmp_path / "l.jsonl")
+    make = {
+        "logger.jit": lambda: logger.jit(_counted_step, logger.init()),
+        "spool": lambda: eqx_logs.spool(_counted_step),
+    }[form]
+    step, w = make(), jnp.ones(2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for i in range(20):
+            step(w, w, i)  # python-int-step
+    said = [str(w.message) for w in caught if "compiled" in str(w.message)]
+    assert len(said) == 2, said
+    for n, message, warning in zip((4, 16), said, caught):
+        assert f"_counted_step was compiled {n} times so far, taking " in message, message
+        assert "Python int `i` (0, 1, 2, 3, ...)" in message and "`jnp.int32(i)`" in message
+        assert (warning.filename, warning.lineno) == (__file__, _line_of("# python-int-step"))
+    first, second = (float(re.search(r"taking ([\d.]+) s", m).group(1)) for m in said)
+    assert 0 < first <= second, said
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step = make()
+        for i in range(20):
+            step(w, w, jnp.int32(i))
+    logger.close()
+
+
+@pytest.mark.parametrize("form", ["logger.jit", "logger.spool", "spool", "tap"])
+def test_jax_jit_of_a_wrapper_with_a_non_array_argument_says_call_it_directly(tmp_path, form):
+    """`jax.jit(logger.jit(step, state))(model, ...)` of a model with a non-array leaf (an
+    MLP's activation) fails in JAX, before eqx_logs runs, with a message that formats the
+    wrapper: its name and what to do, not its pytree's repr of internal objects. With array
+    arguments alone, the same call works (inside `jax.jit`, `logger.jit` is `logger.spool`
+    with its host callback)."""
+    import equinox as eqx
+
+    from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+    def loss(model, x):
+        y = jax.vmap(model)(x)
+        eqx_logs.log({"loss": jnp.sum(y)})
+        return y
+
+    logger = JsonlLogger(tmp_path / "l.jsonl")
+    make = {
+        "logger.jit": lambda f: logger.jit(f, logger.init()),
+        "logger.spool": lambda f: logger.spool(f, logger.init()),
+        "spool": eqx_logs.spool,
+        "tap": lambda f: eqx_logs.tap(f, callback=lambda logs, steps: None),
+    }[form]
+    model, x = eqx.nn.MLP(2, 2, 4, 1, key=jax.random.PRNGKey(0)), jnp.ones((3, 2))
+    with pytest.raises(TypeError) as info:
+        jax.jit(make(loss))(model, x)  # jit-of-a-wrapper
+    msg = str(info.value)
+    # (JAX removes its frames: the last is the user's line)
+    assert (str(info.traceback[-1].path), info.traceback[-1].lineno + 1) == (
+        __file__,
+        _line_of("# jit-of-a-wrapper"),
+    )
+    assert len(msg.splitlines()) < 4 and "object at 0x" not in msg, msg
+    assert "path model.activation" in msg, msg  # (JAX's part)
+    name = f"JsonlLogger.{form[7:]}" if form.startswith("logger.") else f"eqx_logs.{form}"
+    assert f"argument to {name}(test_jax_jit_of_a_wrapper_with_a_non_array_argument" in msg
+    assert "call it directly" in msg and "under `eqx.filter_jit`, not under `jax.jit`" in msg
+    if form == "logger.jit":
+        assert "logger.jit compiles the step itself" in msg, msg
+    # arrays alone: works under `jax.jit`, and logs
+    out = jax.jit(make(lambda w, x: loss(lambda v: w * v, x)))(jnp.ones(2), x)
+    if form == "spool":
+        out, logs = out
+        assert logs["loss"].tolist() == [6.0]
+    assert out.shape == (3, 2)
+    logger.close()
+    if form.startswith("logger."):
+        assert [r["value"] for r in read_jsonl(tmp_path / "l.jsonl")] == [6.0]

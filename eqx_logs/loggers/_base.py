@@ -13,7 +13,8 @@ from jaxtyping import ArrayLike, PRNGKeyArray
 from .. import _compat
 from .._logdict import LogDict
 from .._policy import Policy, with_options
-from .._spool import build, build_wrapper, spool as _spool
+from .._retrace import fun_name
+from .._spool import build, build_wrapper, spool as _spool, under_jax_jit
 from .._tap import check_buffer, check_tap_options, tap_with
 from . import _plumbing
 from ._host import Record
@@ -469,6 +470,12 @@ class _LoggerSpooled(eqx.Module):
     def __wrapped__(self):
         return self.spooled.__wrapped__
 
+    def __repr__(self) -> str:
+        return f"{type(self.logger).__name__}.spool({fun_name(self.__wrapped__)})"
+
+    def __str__(self) -> str:  # (see `under_jax_jit`)
+        return under_jax_jit(repr(self))
+
     def __call__(self, *args, **kwargs):
         logger = self.logger
         type(logger)._check(logger)
@@ -490,6 +497,12 @@ class _LoggerJitted(eqx.Module):
     @property
     def __wrapped__(self):
         return self.spooled.__wrapped__
+
+    def __repr__(self) -> str:
+        return f"{type(self.logger).__name__}.jit({fun_name(self.__wrapped__)})"
+
+    def __str__(self) -> str:  # (see `under_jax_jit`)
+        return under_jax_jit(repr(self), compiles=True)
 
     def __call__(self, *args, **kwargs):
         if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
@@ -516,6 +529,12 @@ class _LoggerTapped(eqx.Module):
     @property
     def __wrapped__(self):
         return self.tapped.__wrapped__
+
+    def __repr__(self) -> str:
+        return f"{type(self.logger).__name__}.tap({fun_name(self.__wrapped__)})"
+
+    def __str__(self) -> str:  # (see `under_jax_jit`)
+        return under_jax_jit(repr(self))
 
     def __call__(self, *args, **kwargs):
         logger = self.logger

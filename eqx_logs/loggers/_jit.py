@@ -21,6 +21,7 @@ import jax
 import jax.tree_util as jtu
 
 from .. import _nnx
+from .._retrace import OPEN, finish
 
 Donate = Literal["all", "all-except-first", "warn", "none"]
 
@@ -109,12 +110,16 @@ class Jit:
         jitted, arrays = self._prepare(args, kwargs)
         if jitted is _CARRIED:
             return self._carried(args, kwargs, "__call__")
-        if self.donate in ("all", "all-except-first"):  # as Equinox: no warning for these
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        try:
+            if self.donate in ("all", "all-except-first"):  # as Equinox: no warning for these
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                    values, out = jitted(*self._fun_arrays, *arrays)
+            else:
                 values, out = jitted(*self._fun_arrays, *arrays)
-        else:
-            values, out = jitted(*self._fun_arrays, *arrays)
+        finally:
+            if OPEN:  # (a compilation of a Python scalar's value: timed, maybe said)
+                finish()
         treedef, split = out.value
         return jtu.tree_unflatten(treedef, _merge(*split, values))
 
@@ -123,7 +128,11 @@ class Jit:
         jitted, arrays = self._prepare(args, kwargs)
         if jitted is _CARRIED:
             return self._carried(args, kwargs, "lower")
-        return jitted.lower(*self._fun_arrays, *arrays)
+        try:
+            return jitted.lower(*self._fun_arrays, *arrays)
+        finally:
+            if OPEN:
+                finish()
 
     def _carried(self, args: tuple, kwargs: dict, method: str) -> Any:
         """A call on Flax NNX objects: split out, merged inside, and their new state written
