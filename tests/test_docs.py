@@ -217,6 +217,7 @@ def test_each_page_runs_alone_and_prints_what_it_claims(page, tmp_path):
         capture_output=True,
         text=True,
         cwd=tmp_path,  # what a page writes stays out of the checkout
+        env={**os.environ, "PYTHONPATH": str(ROOT)},  # this checkout's eqx_logs
         timeout=600,
     )
     assert result.returncode == 0, f"{page}:\n{result.stderr[-4000:]}"
