@@ -815,7 +815,7 @@ def wait_for_writer(logger, box=None):
     jax.effects_barrier()
     if box is not None:
         box.gate.set()
-    logger._writer._wait()
+    logger._sink.writer._wait()
 
 
 @pytest.mark.parametrize("surface", ["spool", "tap", "write", "flush", "close"])

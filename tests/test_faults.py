@@ -189,12 +189,12 @@ class SlowLogger(JsonlLogger):
 
 def test_a_slow_backend_applies_back_pressure(tmp_path):
     logger = SlowLogger(tmp_path / "l.jsonl")
-    logger._writer.max_pending_bytes = bound = 64 * 2**10
+    logger._sink.writer.max_pending_bytes = bound = 64 * 2**10
     item = np.zeros(1000, np.float32)  # 4000 bytes per write
     pending = []
     for i in range(200):
         logger.write(eqx_logs.LogDict({"a": item + i}, count={"a": np.int32(1)}))
-        pending.append(logger._writer.pending_bytes)
+        pending.append(logger._sink.writer.pending_bytes)
     logger.close()
     assert max(pending) <= bound  # the producer waited instead of queueing more
     assert max(pending) > bound // 2  # and the queue was used

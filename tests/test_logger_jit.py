@@ -387,7 +387,7 @@ def test_a_backend_error_and_a_nonfinite_value_come_from_the_next_call(tmp_path)
     logger = Failing(tmp_path / "a.jsonl")
     jitted = logger.jit(step, logger.init())
     jitted(jnp.float32(1.0), jnp.int32(0))
-    logger._writer._wait()  # the writer has failed by now
+    logger._sink.writer._wait()  # the writer has failed by now
     with pytest.raises(WriterError, match="disk on fire"):
         jitted(jnp.float32(1.0), jnp.int32(1))
     logger.close()
@@ -531,7 +531,7 @@ def test_memory_stays_flat_over_many_steps(tmp_path):
                 live = len(jax.live_arrays())
         logger.flush()
         assert len(jax.live_arrays()) <= live + 2
-        assert logger._writer.pending_bytes == 0
+        assert logger._sink.writer.pending_bytes == 0
     assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 500, 1000, 1500]
 
 
@@ -589,33 +589,35 @@ def test_packed_logs_of_every_dtype_and_size_come_back_whole(tmp_path):
 def test_steps_without_events_cost_the_writer_no_write(tmp_path, monkeypatch):
     """A step whose counts hold no event is done once its counts are read: the backend's
     write path runs for the steps with events (and the first, which opens the run) only."""
+    from eqx_logs.loggers._sink import Sink
+
     calls = []
-    write_logs = JsonlLogger._write_logs
+    write_logs = Sink._write_logs
     monkeypatch.setattr(
-        JsonlLogger, "_write_logs", lambda self, item: (calls.append(item), write_logs(self, item))
+        Sink, "_write_logs", lambda self, item: (calls.append(item), write_logs(self, item))
     )
     with JsonlLogger(tmp_path / "a.jsonl") as logger:
         loop(logger.jit(train_step, logger.init(), interval=INTERVAL), n=50)
     assert_rows(rows(tmp_path / "a.jsonl"), reference(50))
     assert len(calls) == 5  # steps 0, 10, 20, 30, 40
-    assert logger._writer.pending_bytes == 0
+    assert logger._sink.writer.pending_bytes == 0
 
 
 def test_the_device_buffers_of_a_step_are_freed_on_the_loops_thread(tmp_path, monkeypatch):
     """The writer thread reads each step's buffers and hands them back: the training loop's
     thread (the one that allocated them) frees them, with its next step or at `flush`, so
     that the two threads do not contend for the allocator."""
-    from eqx_logs.loggers import _plumbing
+    from eqx_logs.loggers import _sink
 
     freed = []
 
-    class Watched(_plumbing.Packed):  # a step's packed logs, saying where they are freed
+    class Watched(_sink.Packed):  # a step's packed logs, saying where they are freed
         def __del__(self):
             freed.append(threading.current_thread())
 
-    feed = _plumbing.Feed.__call__
+    feed = _sink.Feed.__call__
     monkeypatch.setattr(
-        _plumbing.Feed,
+        _sink.Feed,
         "__call__",
         lambda self, p: feed(self, Watched(*p.tree_flatten()[0], p.layout)),
     )

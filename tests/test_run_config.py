@@ -284,7 +284,9 @@ def test_multi_logger_passes_its_config_to_each(tmp_path):
     own = JsonlLogger(tmp_path / "own.jsonl", config={"mine": 1})
     logger = MultiLogger(jsonl, array, own, config=CONFIG)
     assert [child.config for child in logger.loggers] == [CONFIG, CONFIG, {"mine": 1}]
-    assert logger.loggers[0]._writer is jsonl._writer  # a copy writing through the same queue
+    assert (
+        logger.loggers[0]._sink.writer is jsonl._sink.writer
+    )  # a copy writing through the same queue
     write_events(logger)
     assert first_line(tmp_path / "a.jsonl") == {"config": CONFIG}
     assert json.loads((tmp_path / "arr" / "config.json").read_text()) == CONFIG

@@ -118,7 +118,7 @@ def messages(caught, pattern: str) -> list[str]:
 
 def release(logger, gate: Gate) -> None:
     """Let the stuck write finish, and the writer thread end (no thread outlives the test)."""
-    writer = logger._writer
+    writer = logger._sink.writer
     thread = writer._thread
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", WriterWarning)  # "made progress again"
@@ -141,7 +141,7 @@ def test_a_stuck_backend_costs_the_loop_at_most_the_timeout(tmp_path, form):
     skip = 1 if form == "spool" else 0  # the compiling call writes step -1 first
     gate = Gate(stuck_at=3 + skip)  # steps 0, 1, 2 are written, then the backend hangs
     logger = Stuck(tmp_path / "l.jsonl", gate=gate, stall_timeout=STALL)
-    logger._writer.max_pending_bytes = queued * SCALAR
+    logger._sink.writer.max_pending_bytes = queued * SCALAR
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -187,7 +187,7 @@ def test_flush_gives_up_and_a_recovered_backend_writes_again(tmp_path):
             for i in range(5, 8):  # the backend is stalled: dropped, counted, never waited for
                 write(i)
             gate.release.set()
-            writer = logger._writer
+            writer = logger._sink.writer
             with writer._changed:  # (`_wait` would give up at once: the backend is stalled)
                 assert writer._changed.wait_for(lambda: writer._done >= writer._submitted, 30)
             write(8)  # the recovery, seen on the writer thread, is said at the next call
@@ -238,15 +238,15 @@ def test_reports_add_up_after_a_flush_gave_up(tmp_path):
         assert all(int(lost) <= int(total) for lost, total in counts)
         assert sum(int(lost) for lost, _ in counts) == submitted - written == 15
         # the stuck write returns, then raises: abandoned already, it is not counted again
-        gate.then_raise, thread = True, logger._writer._thread
+        gate.then_raise, thread = True, logger._sink.writer._thread
         gate.release.set()
         thread.join(timeout=30)
-        assert logger._writer.report() == WriteReport()
+        assert logger._sink.writer.report() == WriteReport()
         with (
             pytest.warns(WriterWarning, match="made progress again"),
             pytest.raises(WriterError, match="released too late") as failed,
         ):
-            logger._writer.check()
+            logger._sink.writer.check()
         assert failed.value.lost == 0
     finally:
         release(logger, gate)
@@ -260,7 +260,7 @@ def test_on_full_drop_never_waits_and_counts_exactly(tmp_path):
     plain = baseline(n)
     gate = Gate(stuck_at=0)  # the backend holds the first write until released
     logger = Stuck(tmp_path / "l.jsonl", gate=gate, on_full="drop")
-    logger._writer.max_pending_bytes = 10 * SCALAR  # room for 10 writes
+    logger._sink.writer.max_pending_bytes = 10 * SCALAR  # room for 10 writes
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -316,9 +316,9 @@ def test_bad_policy_names_the_option(tmp_path, options, message):
 def test_policy_defaults(tmp_path):
     logger = JsonlLogger(tmp_path / "l.jsonl")
     assert (logger.on_full, logger.stall_timeout) == ("block", 60.0)
-    assert (logger._writer.on_full, logger._writer.stall_timeout) == ("block", 60.0)
+    assert (logger._sink.writer.on_full, logger._sink.writer.stall_timeout) == ("block", 60.0)
     logger = JsonlLogger(tmp_path / "l.jsonl", on_full="drop", stall_timeout=None)
-    assert (logger._writer.on_full, logger._writer.stall_timeout) == ("drop", None)
+    assert (logger._sink.writer.on_full, logger._sink.writer.stall_timeout) == ("drop", None)
 
 
 def test_an_infinite_stall_timeout_never_gives_up(tmp_path):
@@ -326,8 +326,8 @@ def test_an_infinite_stall_timeout_never_gives_up(tmp_path):
     # waits for room, flush for the end, however long; nothing is dropped or said
     gate = Gate(stuck_at=0)
     logger = Stuck(tmp_path / "l.jsonl", gate=gate, stall_timeout=float("inf"))
-    assert logger.stall_timeout == logger._writer.stall_timeout == float("inf")
-    logger._writer.max_pending_bytes = 2 * SCALAR
+    assert logger.stall_timeout == logger._sink.writer.stall_timeout == float("inf")
+    logger._sink.writer.max_pending_bytes = 2 * SCALAR
     timer = threading.Timer(1.0, gate.release.set)
     try:
         with warnings.catch_warnings():
@@ -340,7 +340,7 @@ def test_an_infinite_stall_timeout_never_gives_up(tmp_path):
             logger.close()
         assert took >= 0.9  # waited for the backend rather than dropping
         assert steps(tmp_path / "l.jsonl") == list(range(10))
-        assert logger._writer.report() == WriteReport()
+        assert logger._sink.writer.report() == WriteReport()
     finally:
         timer.cancel()
         release(logger, gate)
@@ -356,7 +356,7 @@ def test_multi_logger_isolates_stuck_and_failing_backends(tmp_path, form):
     skip = 1 if form == "spool" else 0  # the compiling call writes step -1 first
     gate = Gate(stuck_at=3 + skip)
     stuck = Stuck(tmp_path / "stuck.jsonl", gate=gate, stall_timeout=STALL)
-    stuck._writer.max_pending_bytes = 5 * SCALAR
+    stuck._sink.writer.max_pending_bytes = 5 * SCALAR
     flaky, healthy = Flaky(tmp_path / "flaky.jsonl"), JsonlLogger(tmp_path / "healthy.jsonl")
     multi = MultiLogger(stuck, flaky, healthy)
     try:

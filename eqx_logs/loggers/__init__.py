@@ -7,8 +7,8 @@ from ._host import records as records, safe_name as safe_name, unique_name as un
 from ._jsonl import JsonlLogger as JsonlLogger, read_jsonl as read_jsonl
 from ._mlflow import MLflowLogger as MLflowLogger
 from ._multi import MultiLogger as MultiLogger
-from ._plumbing import NonfiniteWarning as NonfiniteWarning
 from ._progress import ProgressLogger as ProgressLogger
+from ._sink import NonfiniteWarning as NonfiniteWarning
 from ._state import LoggerState as LoggerState
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._trackio import TrackioLogger as TrackioLogger

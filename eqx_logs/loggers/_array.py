@@ -19,7 +19,7 @@ from ._host import (
 )
 
 _FILE = re.compile(r"^(\d+)\.npz$")
-_CONFIG_WRITTEN = "array-config-written"  # `Writer.memo`'s key
+_CONFIG_WRITTEN = "array-config-written"  # `Sink.memo`'s key
 
 
 class ArrayLogger(AbstractLogger):
@@ -61,7 +61,7 @@ class ArrayLogger(AbstractLogger):
 
     def _open(self, run: int) -> dict[str, int]:
         os.makedirs(self._run_dir(run), exist_ok=True)  # a run without events reads as {}
-        memo = self._writer.memo
+        memo = self._sink.memo
         if self.config is not None and not memo.get(_CONFIG_WRITTEN):
             name = process_path(os.path.join(self.path, "config.json"), self.every_process)
             with open(name + ".tmp", "w") as f:

@@ -16,14 +16,14 @@ from .._policy import Policy, with_options
 from .._retrace import fun_name
 from .._spool import build, build_wrapper, spool as _spool, under_jax_jit
 from .._tap import check_buffer, check_tap_options, tap_with
-from . import _plumbing
 from ._host import Record
 from ._jit import Donate, Jit
 from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
+from ._sink import AbstractSink, Backend, Sink
 from ._state import LoggerState, _run_index
 from ._transfer import _nbytes, _one_process, _Packing
-from ._writer import ON_FULL, STALL_TIMEOUT, Writer
+from ._writer import ON_FULL, STALL_TIMEOUT
 
 _T = TypeVar("_T")
 
@@ -138,9 +138,9 @@ class AbstractLogger(eqx.Module):
     every_process: bool = eqx.field(default=False, static=True, kw_only=True)
     on_full: Literal["block", "drop"] = eqx.field(default="block", static=True, kw_only=True)
     stall_timeout: float | None = eqx.field(default=STALL_TIMEOUT, static=True, kw_only=True)
-    _writer: Writer = eqx.field(
-        static=True, default_factory=lambda: Writer("logger"), repr=False, init=False
-    )
+    # where the logs go: the writer thread, the runs' handles (one per logger, shared by its
+    # copies; a plain object, see `_sink.py`)
+    _sink: AbstractSink = eqx.field(static=True, default_factory=Sink, repr=False, init=False)
 
     def __check_init__(self):
         if self.on_full not in ON_FULL:
@@ -159,8 +159,7 @@ class AbstractLogger(eqx.Module):
                 f"{type(self).__name__}(stall_timeout={timeout!r}): stall_timeout must be a "
                 "number of seconds > 0, or None (or inf) to wait for a stuck backend forever."
             )
-        # the writer (one per logger, shared by its copies) follows the logger's policy
-        self._writer.on_full, self._writer.stall_timeout = self.on_full, timeout
+        _bind(self)
 
     # --- the backend, run on the writer thread -------------------------------------------
 
@@ -174,6 +173,20 @@ class AbstractLogger(eqx.Module):
 
     def _close(self, handle: Any) -> None:
         """Close what `_open` returned."""
+
+    def _unstorable(self, leaf: np.ndarray) -> str | None:
+        """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
+        None. Checked before writing: a key it rejects is named, and the others are written."""
+        del leaf
+        return None
+
+    def _submit_logs(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
+    ) -> None:
+        """Hand `logs` (arrays, on the device or not, or packed by `logger.jit`; `size`
+        bytes in all) to the writer thread, which fetches and writes them. A backend that
+        overrides it is given every write here (a `logger.jit` step's too, packed)."""
+        self._sink.submit_logs(state, logs, size)
 
     # --- the public API --------------------------------------------------------------------
 
@@ -246,8 +259,9 @@ class AbstractLogger(eqx.Module):
         check_buffer("logger.tap", buffer)
         options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
-        sink = self._tap_host if buffer is None else self._tap_block_host
-        tapped = tap_with(fun, policy, sink, state, self.every_process, buffer=buffer)
+        sink = self._sink
+        host = sink.tap_host if buffer is None else sink.tap_block_host
+        tapped = tap_with(fun, policy, host, state, self.every_process, buffer=buffer)
         return build_wrapper(_LoggerTapped, self, tapped)
 
     def jit(
@@ -321,7 +335,7 @@ class AbstractLogger(eqx.Module):
         )
         spooled = _spool(fun, policy=policy, keep=keep)
         jitted = Jit(build(_Packing, spooled), donate)
-        feed = type(self)._feed(self, state)
+        feed = self._sink.feed(state)
         return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed)
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
@@ -340,7 +354,7 @@ class AbstractLogger(eqx.Module):
         stuck backend); warn (`WriterWarning`) with the number of writes lost since the last
         `flush`/`close`, if any; raise any error of the writer."""
         jax.effects_barrier()
-        self._writer.flush()
+        self._sink.flush()
 
     def close(self) -> None:
         """Flush, then close every run's files or remote run; say what was lost, as `flush`
@@ -348,55 +362,47 @@ class AbstractLogger(eqx.Module):
         written is counted as lost). The logger may be used again afterwards (runs are
         reopened, appending)."""
         jax.effects_barrier()
-        self._writer.close()
+        self._sink.close()
 
     def __enter__(self):
         return self
 
-    def _with_config(self, config: Any) -> "AbstractLogger":
-        """This logger, recording `config` if it records none of its own: a copy that shares
-        its writer (and so its queue and runs)."""
-        if self.config is not None or config is None:
-            return self
-        config = as_config(config)
-        return eqx.tree_at(lambda logger: logger.config, self, config, is_leaf=_is_none)
-
     def __exit__(self, *exc):
         self.close()
 
-    # --- plumbing (defined in `_plumbing.py`) ----------------------------------------------
-    #
-    # What runs for every step calls methods through the class: Equinox hands out each bound
-    # method of a module as a module of its own (`eqx.Module.__getattribute__`), which costs
-    # about 50 us to build, as much as a small training step. A backend may override
-    # `_unstorable`: why it cannot store a leaf (checked before writing).
-
-    def _check(self) -> None:
-        self._writer.check()
-
-    def _feed(self, state: LoggerState) -> Callable[[Packed], None]:
-        """What hands the packed logs of each `logger.jit` call to the writer thread (through
-        `_submit_logs`, where a backend overrides it)."""
-        if type(self)._submit_logs is not _plumbing._submit_logs:
-            return functools.partial(_write, self, state=state)
-        return _plumbing.Feed(self, state)
-
-    _spool_host = _plumbing._spool_host
-    _tap_host = _plumbing._tap_host
-    _tap_block_host = _plumbing._tap_block_host
-    _unstorable = _plumbing._unstorable
-    _started = _plumbing._started
-    _submit_logs = _plumbing._submit_logs
-    _rejected_logs = _plumbing._rejected_logs
-    _submit = _plumbing._submit
-    _rejected = _plumbing._rejected
-    _write_logs = _plumbing._write_logs
-    _write_run = _plumbing._write_run
-    _finish = _plumbing._finish
+    def _with_config(self, config: Any) -> "AbstractLogger":
+        """This logger, recording `config` if it records none of its own: a copy that shares
+        its sink (and so its queue and runs), which writes through the copy from now on."""
+        if self.config is not None or config is None:
+            return self
+        config = as_config(config)
+        copy = eqx.tree_at(lambda logger: logger.config, self, config, is_leaf=_is_none)
+        _bind(copy)
+        return copy
 
 
 def _is_none(x: Any) -> bool:
     return x is None
+
+
+def _bind(logger: AbstractLogger) -> None:
+    """Point `logger`'s sink at its backend methods, through its class (an Equinox module's
+    bound method is a module of its own, about 30 us to build) and its writer's policy."""
+    cls = type(logger)
+    unstorable = cls._unstorable is not AbstractLogger._unstorable  # a backend that checks
+    submit_logs = cls._submit_logs is not AbstractLogger._submit_logs
+    logger._sink.bind(
+        Backend(
+            name=cls.__name__,
+            on_full=logger.on_full,
+            stall_timeout=logger.stall_timeout,
+            open=functools.partial(cls._open, logger),
+            write=functools.partial(cls._write, logger),
+            close=functools.partial(cls._close, logger),
+            unstorable=functools.partial(cls._unstorable, logger) if unstorable else None,
+            submit_logs=functools.partial(cls._submit_logs, logger) if submit_logs else None,
+        )
+    )
 
 
 def _check_fun(logger: AbstractLogger, method: str, fun: Any) -> None:
@@ -434,22 +440,21 @@ def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> Non
 
 def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | None) -> None:
     """`logger.write(logs, state)`: see there. (`logger.jit` writes its logs packed.)"""
-    cls = type(logger)
-    cls._check(logger)
-    state = cls.init(logger) if state is None else state
+    sink = logger._sink
+    sink.check()
+    state = type(logger).init(logger) if state is None else state
     if isinstance(logs, Packed):
         if _one_process() or all(x.is_fully_addressable for x in (*logs.buffers, *logs.large)):
-            cls._submit_logs(logger, state, logs, logs.layout.nbytes)
+            sink.submit(state, logs, logs.layout.nbytes)
             return
         logs = unpack(logs, list(logs.buffers))  # arrays of many processes, as below
     if _compat.tracing() or not (
         _one_process()
         or all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves((state, logs)))
     ):  # (arrays of many processes: a program over their devices places the call)
-        host = functools.partial(cls._spool_host, logger)
-        _compat.host_callback(host, state, logs, every_process=logger.every_process)
+        _compat.host_callback(sink.spool_host, state, logs, every_process=logger.every_process)
     else:
-        cls._submit_logs(logger, state, logs, _nbytes(logs))
+        sink.submit(state, logs, _nbytes(logs))
 
 
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
@@ -478,7 +483,7 @@ class _LoggerSpooled(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         logger = self.logger
-        type(logger)._check(logger)
+        logger._sink.check()
         out, logs = self.spooled(*args, **kwargs)
         _write(logger, logs, self.state)
         return out
@@ -537,6 +542,5 @@ class _LoggerTapped(eqx.Module):
         return under_jax_jit(repr(self))
 
     def __call__(self, *args, **kwargs):
-        logger = self.logger
-        type(logger)._check(logger)
+        self.logger._sink.check()
         return self.tapped(*args, **kwargs)

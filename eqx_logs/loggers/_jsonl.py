@@ -53,7 +53,7 @@ class JsonlLogger(AbstractLogger):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         _drop_torn_line(path)
         file = open(path, "a")
-        written = self._writer.memo.setdefault(_CONFIG_WRITTEN, set())
+        written = self._sink.memo.setdefault(_CONFIG_WRITTEN, set())
         if self.config is not None and path not in written:  # once: the runs share the file
             written.add(path)
             file.write(json.dumps({"config": self.config}) + "\n")
@@ -75,7 +75,7 @@ class JsonlLogger(AbstractLogger):
         file.close()
 
 
-_CONFIG_WRITTEN = "jsonl-config-written"  # `Writer.memo`'s key: the files given the config
+_CONFIG_WRITTEN = "jsonl-config-written"  # `Sink.memo`'s key: the files given the config
 _CHUNK = 1 << 16  # read backwards from the end in pieces this big
 
 

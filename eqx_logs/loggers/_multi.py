@@ -1,25 +1,19 @@
+"""MultiLogger: writes to several loggers at once, through a sink that fans out to theirs."""
+
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-import equinox as eqx
-
+from .._logdict import LogDict
 from .._warn import warn_user
 from ._base import AbstractLogger
 from ._host import Record
+from ._packed import Packed
 from ._run_config import as_config
+from ._sink import AbstractSink, Backend
 from ._state import LoggerState
-from ._writer import Writer, WriterError, WriterWarning
-
-
-class _Isolated:
-    """The loggers of a MultiLogger (by index) whose failure was warned about since its last
-    `flush`/`close`: each is warned about once per period."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.warned: set[int] = set()
+from ._writer import WriterError, WriterWarning
 
 
 class MultiLogger(AbstractLogger):
@@ -58,83 +52,106 @@ class MultiLogger(AbstractLogger):
     """
 
     loggers: tuple[AbstractLogger, ...]
-    _isolated: _Isolated = eqx.field(static=True, repr=False, init=False)
 
     def __init__(self, *loggers: AbstractLogger, config: Any = None):
         for logger in loggers:
             if not isinstance(logger, AbstractLogger):
                 raise TypeError(f"MultiLogger takes loggers, got {logger!r}.")
         config = as_config(config)
-        self.loggers = tuple(type(logger)._with_config(logger, config) for logger in loggers)
+        self.loggers = tuple(logger._with_config(config) for logger in loggers)
         self.config = config
         self.every_process = any(logger.every_process for logger in loggers)
-        self._writer = Writer("MultiLogger")
-        self._isolated = _Isolated()
+        self._sink = FanOut(self.loggers)
 
     def _with_config(self, config: Any) -> "MultiLogger":
         if self.config is not None or config is None:
             return self
         return MultiLogger(*self.loggers, config=config)
 
+    # its sink hands everything to its loggers' sinks: it opens no run of its own
     def _open(self, run: int) -> None:
         return None
 
-    def _write(self, handle: Any, run: int, records: list[Record]) -> None:
-        raise AssertionError("MultiLogger hands records to its loggers")
-
-    def _submit(self, run: int, rows: list[Record]) -> None:
-        self._each("_submit", run, rows)  # a key one logger rejects still reaches the others
-
-    def _submit_logs(self, state: LoggerState, logs: Any, size: int | None = None) -> None:
-        self._each("_submit_logs", state, logs, size)  # each fetches on its own thread
-
-    def _feed(self, state: LoggerState) -> Callable[[Any], None]:
-        feeds = tuple(type(logger)._feed(logger, state) for logger in self.loggers)
-        return functools.partial(self._each, feeds)  # each fetches on its own thread
-
-    def _check(self) -> None:
-        self._each("_check")
+    def _write(self, handle: None, run: int, records: list[Record]) -> None:
+        """Hand `records` to every logger (as a tapped event's are)."""
+        self._sink.submit_rows(run, records)
 
     def flush(self) -> None:
         """Flush every logger (each waits at most its `stall_timeout` for a stuck backend);
         each warns with what it lost, and a failed backend is reported, not raised."""
-        self._each("flush", report=True)
+        AbstractLogger.flush(self)
 
     def close(self) -> None:
         """Close every logger; each warns with what it lost (see `flush`)."""
-        self._each("close", report=True)
+        AbstractLogger.close(self)
 
-    def _each(
-        self, method: str | tuple[Callable[..., None], ...], *args: Any, report: bool = False
+
+class FanOut(AbstractSink):
+    """MultiLogger's sink: hands everything to its loggers' sinks, each writing on its own
+    thread. A failed backend is isolated: its `WriterError` is warned about (once per
+    logger between two `flush`/`close` calls), never raised. Other errors (a value a backend
+    cannot store) are raised after every logger has had the call."""
+
+    def __init__(self, loggers: Sequence[AbstractLogger]):
+        self.sinks = tuple(logger._sink for logger in loggers)
+        self.names = tuple(type(logger).__name__ for logger in loggers)
+        self.memo = {}
+        self.submit = self.submit_logs
+        self._lock = threading.Lock()
+        # the loggers (by index) whose failure was warned about since the last flush/close
+        self._warned: set[int] = set()
+
+    def bind(self, backend: Backend) -> None:
+        self.submit = backend.submit_logs or self.submit_logs
+
+    def submit_logs(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
     ) -> None:
-        """Call `method` of every logger (or `method[i]`, one function per logger) with
-        `args`; a failed backend is isolated."""
+        # each fetches on its own thread, and through its logger's `_submit_logs`
+        self._each([sink.submit for sink in self.sinks], state, logs, size)
+
+    def submit_rows(self, run: int, rows: list[Record]) -> None:
+        # a key one logger rejects still reaches the others
+        self._each([sink.submit_rows for sink in self.sinks], run, rows)
+
+    def feed(self, state: LoggerState) -> Callable[[Packed], None]:
+        feeds = tuple(sink.feed(state) for sink in self.sinks)
+        return functools.partial(self._each, feeds)  # each fetches on its own thread
+
+    def check(self) -> None:
+        self._each([sink.check for sink in self.sinks])
+
+    def flush(self) -> None:
+        self._each([sink.flush for sink in self.sinks], report=True)
+
+    def close(self) -> None:
+        self._each([sink.close for sink in self.sinks], report=True)
+
+    def _each(self, calls: Sequence[Callable[..., None]], *args: Any, report: bool = False) -> None:
+        """Call `calls[i](*args)` for every logger `i`; a failed backend is isolated."""
         errors = []
-        for index, logger in enumerate(self.loggers):  # all of them, then raise the first error
+        for index, call in enumerate(calls):  # all of them, then raise the first error
             try:
-                if isinstance(method, str):
-                    getattr(type(logger), method)(logger, *args)  # (see AbstractLogger's plumbing)
-                else:
-                    method[index](*args)
+                call(*args)
             except WriterError as e:  # isolated: reported, never raised
-                self._isolate(index, logger, e)
+                self._isolate(index, e)
             except Exception as e:  # noqa: BLE001
                 errors.append(e)
         if report:  # a new period: the next failure of each logger is warned about again
-            with self._isolated.lock:
-                self._isolated.warned.clear()
+            with self._lock:
+                self._warned.clear()
         if errors:
             raise errors[0]
 
-    def _isolate(self, index: int, logger: AbstractLogger, error: WriterError) -> None:
-        with self._isolated.lock:
-            if index in self._isolated.warned:
+    def _isolate(self, index: int, error: WriterError) -> None:
+        with self._lock:
+            if index in self._warned:
                 return
-            self._isolated.warned.add(index)
+            self._warned.add(index)
+        name = self.names[index]
         warn_user(
-            f"MultiLogger: logger {index} ({type(logger).__name__}) failed and is isolated; the "
-            f"other loggers keep writing. {error} This failure lost {error.lost} write(s) of "
-            f"{type(logger).__name__}; later failures of it are counted, and flush() and "
-            "close() report every write it lost.",
+            f"MultiLogger: logger {index} ({name}) failed and is isolated; the other loggers "
+            f"keep writing. {error} This failure lost {error.lost} write(s) of {name}; later "
+            "failures of it are counted, and flush() and close() report every write it lost.",
             WriterWarning,
         )

@@ -1,11 +1,18 @@
-"""`AbstractLogger`'s plumbing: logs handed to its writer thread, checked for what the
-backend can store, and written there, run by run. The methods are defined here and assigned
-in the class body (`_write_logs = _plumbing._write_logs`); what runs for every step calls
-them through the class (see there)."""
+"""A logger's sink: where its logs go. A plain object per logger, shared by its copies,
+holding its writer thread, its runs' handles and what its backend works out once; it checks
+logs for what the backend can store, hands them to the writer thread, and writes them there,
+run by run, through the backend's methods (`Backend`). `MultiLogger`'s sink fans out to its
+loggers' sinks (`_multi.py`).
 
+A logger (an Equinox module) calls its sink; what runs for every step is here, in plain
+classes: Equinox hands out each bound method of a module as a module of its own, which costs
+about 30 us to build, as much as a small training step."""
+
+import abc
+import dataclasses
 import functools
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Literal, Protocol
 
 import jax
 import numpy as np
@@ -17,7 +24,7 @@ from ._state import LoggerState
 from ._transfer import _fetch, _leaves, _nbytes
 from ._writer import Writer
 
-_NONFINITE_RUNS = "nonfinite-runs"  # `Writer.memo`'s key: the runs reported non-finite
+_NONFINITE_RUNS = "nonfinite-runs"  # `Sink.memo`'s key: the runs reported non-finite
 
 
 class NonfiniteWarning(RuntimeWarning):
@@ -25,27 +32,97 @@ class NonfiniteWarning(RuntimeWarning):
     names the first such event."""
 
 
-def _spool_host(self, state: LoggerState, logs: LogDict) -> None:
-    # a host callback: raise a pending writer error, so that inside `jax.jit` too it
-    # surfaces from the next call (as a JaxRuntimeError naming the WriterError)
-    cls = type(self)
-    cls._submit_logs(self, state, logs)
-    cls._check(self)
+class SubmitLogs(Protocol):
+    """`AbstractLogger._submit_logs`: hand `logs` (`size` bytes, or None: worked out) to the
+    writer thread."""
+
+    def __call__(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
+    ) -> None: ...
 
 
-def _tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
-    _submit_rows(self, state, _event_rows(logs, steps))
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """What a sink calls of its logger: the backend's methods (`open`, `write`, `close`, run
+    on the writer thread; `unstorable`, on the caller's), bound through the logger's class,
+    and the writer's policy."""
+
+    name: str  # the logger's class, for messages
+    on_full: Literal["block", "drop"]
+    stall_timeout: float | None
+    open: Callable[[int], Any]
+    write: Callable[[Any, int, list[Record]], None]
+    close: Callable[[Any], None]
+    unstorable: Callable[[np.ndarray], str | None] | None  # None: the backend stores any leaf
+    submit_logs: SubmitLogs | None  # the logger's own `_submit_logs`, where it overrides it
 
 
-def _tap_block_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
-    """`_tap_host` for a block of events (`logger.tap(..., buffer=k)`): every value and step
-    has a leading axis of events; the block is submitted as one write, event by event."""
-    n = len(jax.tree.leaves(logs)[0])
-    rows = []
-    for i in range(n):
-        at_i = jax.tree.map(lambda x, i=i: x[i], (logs, steps))
-        rows += _event_rows(*at_i)
-    _submit_rows(self, state, rows)
+class AbstractSink(abc.ABC):
+    """Where a logger hands its logs: `submit` (a spooled call's, or a `logger.jit` step's
+    packed), `submit_rows` (tapped events), `feed` (every call of a `logger.jit` step);
+    `check` raises the writer's error; `flush`, `close`. The host callbacks of `logger.spool`
+    and `logger.tap` are its methods too."""
+
+    # `submit_logs`, or the logger's `_submit_logs` where it overrides it (see `bind`)
+    submit: SubmitLogs
+    # what the backend works out once (which files were given the config), by key
+    memo: dict[str, Any]
+
+    @abc.abstractmethod
+    def bind(self, backend: Backend) -> None:
+        """Write through `backend` (when a logger is made, or copied with a config)."""
+
+    @abc.abstractmethod
+    def submit_logs(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
+    ) -> None:
+        """Hand `logs` (arrays, on the device or not, or packed by `logger.jit`; `size`
+        bytes in all) to the writer thread."""
+
+    @abc.abstractmethod
+    def submit_rows(self, run: int, rows: list[Record]) -> None:
+        """Hand records of host values (tap's events) to the writer thread."""
+
+    @abc.abstractmethod
+    def feed(self, state: LoggerState) -> Callable[[Packed], None]:
+        """What hands the packed logs of each `logger.jit` call to the writer thread."""
+
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Issue the writer's warnings; raise its error."""
+
+    @abc.abstractmethod
+    def flush(self) -> None:
+        """Wait until everything is written (see `AbstractLogger.flush`)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Flush, then close every run (see `AbstractLogger.close`)."""
+
+    def spool_host(self, state: LoggerState, logs: LogDict) -> None:
+        """A host callback: `logs` of a spooled call inside compiled code. A pending writer
+        error is raised here, so that inside `jax.jit` too it surfaces from the next call
+        (as a JaxRuntimeError naming the WriterError)."""
+        self.submit(state, logs)
+        self.check()
+
+    def tap_host(self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]) -> None:
+        """A host callback: one tapped event."""
+        self.submit_rows(int(state.run), _event_rows(logs, steps))
+        self.check()
+
+    def tap_block_host(
+        self, state: LoggerState, logs: dict[str, Any], steps: dict[str, Any]
+    ) -> None:
+        """`tap_host` for a block of events (`logger.tap(..., buffer=k)`): every value and step
+        has a leading axis of events; the block is submitted as one write, event by event."""
+        n = len(jax.tree.leaves(logs)[0])
+        rows = []
+        for i in range(n):
+            at_i = jax.tree.map(lambda x, i=i: x[i], (logs, steps))
+            rows += _event_rows(*at_i)
+        self.submit_rows(int(state.run), rows)
+        self.check()
 
 
 def _event_rows(logs: dict[str, Any], steps: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,164 +130,176 @@ def _event_rows(logs: dict[str, Any], steps: dict[str, Any]) -> list[dict[str, A
     return [{"key": key, "value": value, **steps} for key, value in logs.items()]
 
 
-def _submit_rows(self, state: LoggerState, rows: list[dict[str, Any]]) -> None:
-    cls = type(self)
-    cls._submit(self, int(state.run), rows)
-    cls._check(self)
+class Sink(AbstractSink):
+    """A backend's sink: its writer thread (`writer`), the handles of its open runs (run ->
+    what `Backend.open` returned; used on the writer thread only) and `memo`. One per
+    logger, shared by its copies (`AbstractLogger._with_config`), so that they write through
+    one queue to the same runs."""
 
+    backend: Backend  # (set by `bind`, when the logger is made)
 
-def _unstorable(self, leaf: np.ndarray) -> str | None:
-    """Why this backend cannot store `leaf` (a value's array, as by `host_array`), or
-    None. Checked before writing: a key it rejects is named, and the others are written."""
-    del leaf
-    return None
+    def __init__(self):
+        self.handles: dict[int, Any] = {}
+        self.memo = {}
+        self.submit = self.submit_logs
+        self.writer = Writer("logger", finish=self._finish)
+        # the writer thread's fetch of the writes queued in a row (`Writer.submit`'s `ready`)
+        self._ready = functools.partial(_fetch, opened=self.handles)
 
+    def bind(self, backend: Backend) -> None:
+        self.backend, self.submit = backend, backend.submit_logs or self.submit_logs
+        writer = self.writer  # (it follows the logger's policy)
+        writer.name, writer.on_full = backend.name, backend.on_full
+        writer.stall_timeout = backend.stall_timeout
 
-def _started(self) -> Writer:
-    writer = self._writer
-    if writer.finish is None:
-        writer.name = type(self).__name__
-        writer.finish = functools.partial(type(self)._finish, self)
-        writer.write_logs = functools.partial(type(self)._write_logs, self)
-        writer.fetch = functools.partial(_fetch, opened=writer.handles)
-    return writer
+    def check(self) -> None:
+        self.writer.check()
 
+    def flush(self) -> None:
+        self.writer.flush()
 
-def _submit_logs(self, state: LoggerState, logs: LogDict | Packed, size: int | None = None) -> None:
-    """Hand `logs` (arrays, on the device or not, or packed by `logger.jit`; `size`
-    bytes in all) to the writer thread, which fetches them (`_fetch`) and writes them
-    (`_write_logs`). Values the backend cannot store are named here, from their types
-    and shapes."""
-    cls = type(self)
-    writer = cls._started(self)
-    rejected = {}
-    if isinstance(logs, Packed):  # the same for every call of a step
-        rejected = _rejected_layout(self, logs.layout)
-    elif cls._unstorable is not _unstorable:  # a backend that checks
-        rejected = cls._rejected_logs(self, logs)
+    def close(self) -> None:
+        self.writer.close()
+
+    def submit_logs(
+        self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
+    ) -> None:
+        """The writer thread fetches `logs` (`_fetch`) and writes them (`_write_logs`).
+        Values the backend cannot store are named here, from their types and shapes."""
+        rejected = {}
+        if isinstance(logs, Packed):  # the same for every call of a step
+            rejected = self.rejected_layout(logs.layout)
+        elif self.backend.unstorable is not None:  # a backend that checks
+            rejected = self._rejected_logs(logs)
+            if rejected:
+                logs, size = logs._without(rejected), None
+        if size is None:
+            size = _nbytes(logs)
+        drop = tuple(rejected) if isinstance(logs, Packed) else ()
+        self.writer.submit(self._write_logs, (state.run, logs, drop), size, ready=self._ready)
+        self.reject(rejected)
+
+    def submit_rows(self, run: int, rows: list[Record]) -> None:
+        rejected = {}
+        if self.backend.unstorable is not None:
+            leaves = ((r["key"], x) for r in rows for _, x in flat_items(r["key"], r["value"]))
+            rejected = self._rejected(leaves)
+            rows = [r for r in rows if r["key"] not in rejected]
+        size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
+        self.writer.submit(self._write_run, (run, rows), size)
+        self.reject(rejected)
+
+    def feed(self, state: LoggerState) -> Callable[[Packed], None]:
+        if self.backend.submit_logs is not None:  # the backend's own way, for every call
+            return functools.partial(self._submit_packed, state)
+        return Feed(self, state)
+
+    def _submit_packed(self, state: LoggerState, packed: Packed) -> None:
+        self.check()
+        self.submit(state, packed, packed.layout.nbytes)
+
+    # --- what the backend cannot store -------------------------------------------------------
+
+    def rejected_layout(self, layout: Layout) -> dict[str, str]:
+        """`_rejected_logs` of the packed logs of `layout` (the same for every call of a step)."""
+        if self.backend.unstorable is None:  # a backend that does not check
+            return {}
+        return self._rejected_logs(stand_in(layout))
+
+    def _rejected_logs(self, logs: LogDict) -> dict[str, str]:
+        """`_rejected` of the rows of `logs`, from their leaves' types and shapes alone."""
+
+        def row(key: str, leaf: Any) -> np.ndarray:
+            shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
+            return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
+
+        leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
+        return self._rejected(leaves)
+
+    def _rejected(self, leaves: Iterable[tuple[str, np.ndarray]]) -> dict[str, str]:
+        """The keys among `(key, leaf)` whose leaf the backend cannot store, and why."""
+        unstorable = self.backend.unstorable
+        assert unstorable is not None
+        return {key: why for key, leaf in leaves if (why := unstorable(leaf)) is not None}
+
+    def reject(self, rejected: dict[str, str]) -> None:
+        """Raise naming the keys the backend cannot store, if any."""
         if rejected:
-            logs, size = logs._without(rejected), None
-    if size is None:
-        size = _nbytes(logs)
-    drop = tuple(rejected) if isinstance(logs, Packed) else ()
-    writer.submit(writer.write_logs, (state.run, logs, drop), size, ready=writer.fetch)
-    _reject(self, rejected)
+            raise ValueError(
+                f"{self.backend.name} cannot store "
+                + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
+                + ". The other keys of this write were written."
+            )
 
+    # --- on the writer thread ----------------------------------------------------------------
 
-def _rejected_layout(self, layout: Layout) -> dict[str, str]:
-    """`_rejected_logs` of the packed logs of `layout` (the same for every call of a step)."""
-    if type(self)._unstorable is _unstorable:  # a backend that does not check
-        return {}
-    return type(self)._rejected_logs(self, stand_in(layout))
+    def _write_logs(self, item: tuple[np.ndarray, LogDict | None]) -> None:
+        """Write fetched logs (`_fetch`), one run per lane of a state under `vmap` (a run
+        written nothing is opened all the same); keep the `first_nonfinite` report for the
+        caller."""
+        runs, logs = item
+        writer = self.writer
+        for lane in np.ndindex(runs.shape):
+            run = int(runs[lane])
+            if logs is None:  # no events
+                if run not in self.handles:
+                    self._write_run((run, []))
+                continue
+            lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
+            rows = list(records(lane_logs, writer.notify))
+            if rows or run not in self.handles:
+                self._write_run((run, rows))
+            if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
+                # one report per run: a NaN carries on through the steps after it
+                reported = self.memo.setdefault(_NONFINITE_RUNS, set())
+                if run not in reported:
+                    reported.add(run)
+                    writer.notify(
+                        f"{self.backend.name} (run {run}): {event}. Later non-finite "
+                        "values of this run are not reported.",
+                        NonfiniteWarning,
+                    )
+
+    def _write_run(self, item: tuple[int, list[Record]]) -> None:
+        run, rows = item
+        handles = self.handles
+        if run not in handles:
+            handles[run] = self.backend.open(run)
+        self.backend.write(handles[run], run, rows)
+
+    def _finish(self) -> None:
+        """`Writer.close`'s last write: close every run."""
+        handles = self.handles
+        while handles:
+            _, handle = handles.popitem()
+            self.backend.close(handle)
 
 
 class Feed:
     """Hands a `logger.jit` step's packed logs to the writer thread (in a single-process run),
-    every call: what is the same for each call is worked out once (the writer, the run
-    indices on the host, the keys the backend cannot store, per layout). A plain class: it
-    runs once per training step, and its cost is the loop's."""
+    every call: what is the same for each call is worked out once (the run indices on the
+    host, the keys the backend cannot store, per layout). A plain class: it runs once per
+    training step, and its cost is the loop's."""
 
-    __slots__ = ("logger", "state", "writer", "runs", "layout", "rejected", "drop")
+    __slots__ = ("sink", "state", "writer", "write", "ready", "runs", "layout", "rejected", "drop")
 
-    def __init__(self, logger: Any, state: LoggerState):
-        self.logger, self.state = logger, state
-        self.writer = self.runs = self.layout = None
+    def __init__(self, sink: Sink, state: LoggerState):
+        self.sink, self.state = sink, state
+        self.writer, self.write, self.ready = sink.writer, sink._write_logs, sink._ready
+        self.runs: np.ndarray | None = None
+        self.layout: Layout | None = None
         self.rejected: dict[str, str] = {}
         self.drop: tuple[str, ...] = ()
 
     def __call__(self, packed: Packed) -> None:
         writer = self.writer
-        if writer is None:
-            writer = self.writer = type(self.logger)._started(self.logger)
+        if self.runs is None:
             self.runs = to_host(self.state.run)
         writer.check()
         if packed.layout is not self.layout:
-            self.rejected = _rejected_layout(self.logger, packed.layout)
+            self.rejected = self.sink.rejected_layout(packed.layout)
             self.layout, self.drop = packed.layout, tuple(self.rejected)
         item = (self.runs, packed, self.drop)
-        writer.submit(writer.write_logs, item, packed.layout.nbytes, ready=writer.fetch)
+        writer.submit(self.write, item, packed.layout.nbytes, ready=self.ready)
         if self.rejected:
-            _reject(self.logger, self.rejected)
-
-
-def _rejected_logs(self, logs: LogDict) -> dict[str, str]:
-    """`_rejected` of the rows of `logs`, from their leaves' types and shapes alone."""
-
-    def row(key: str, leaf: Any) -> np.ndarray:
-        shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
-        return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
-
-    leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
-    return type(self)._rejected(self, leaves)
-
-
-def _submit(self, run: int, rows: list[Record]) -> None:
-    """Hand records of host values (tap's events) to the writer thread."""
-    cls = type(self)
-    writer = cls._started(self)
-    rejected = {}
-    if cls._unstorable is not _unstorable:
-        leaves = ((r["key"], x) for r in rows for _, x in flat_items(r["key"], r["value"]))
-        rejected = cls._rejected(self, leaves)
-        rows = [r for r in rows if r["key"] not in rejected]
-    size = sum(np.asarray(x).nbytes for r in rows for x in jax.tree.leaves(r["value"]))
-    writer.submit(functools.partial(cls._write_run, self), (run, rows), size)
-    _reject(self, rejected)
-
-
-def _rejected(self, leaves: Iterable[tuple[str, np.ndarray]]) -> dict[str, str]:
-    """The keys among `(key, leaf)` whose leaf the backend cannot store, and why."""
-    unstorable = type(self)._unstorable
-    return {key: why for key, leaf in leaves if (why := unstorable(self, leaf)) is not None}
-
-
-def _write_logs(self, item: tuple[np.ndarray, LogDict | None]) -> None:
-    """On the writer thread: write fetched logs (`_fetch`), one run per lane of a state
-    under `vmap` (a run written nothing is opened all the same); keep the
-    `first_nonfinite` report for the caller."""
-    runs, logs = item
-    writer = self._writer
-    for lane in np.ndindex(runs.shape):
-        run = int(runs[lane])
-        if logs is None:  # no events
-            if run not in writer.handles:
-                type(self)._write_run(self, (run, []))
-            continue
-        lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
-        rows = list(records(lane_logs, writer.notify))
-        if rows or run not in writer.handles:
-            type(self)._write_run(self, (run, rows))
-        if lane_logs._nonfinite is not None and (event := lane_logs.first_nonfinite):
-            # one report per run: a NaN carries on through the steps after it
-            reported = writer.memo.setdefault(_NONFINITE_RUNS, set())
-            if run not in reported:
-                reported.add(run)
-                writer.notify(
-                    f"{type(self).__name__} (run {run}): {event}. Later non-finite "
-                    "values of this run are not reported.",
-                    NonfiniteWarning,
-                )
-
-
-def _write_run(self, item: tuple[int, list[Record]]) -> None:
-    run, rows = item
-    handles = self._writer.handles
-    if run not in handles:
-        handles[run] = self._open(run)
-    self._write(handles[run], run, rows)
-
-
-def _finish(self) -> None:
-    handles = self._writer.handles
-    while handles:
-        _, handle = handles.popitem()
-        self._close(handle)
-
-
-def _reject(logger: Any, rejected: dict[str, str]) -> None:
-    if rejected:
-        raise ValueError(
-            f"{type(logger).__name__} cannot store "
-            + "; ".join(f"key {k!r}: {why}" for k, why in rejected.items())
-            + ". The other keys of this write were written."
-        )
+            self.sink.reject(self.rejected)

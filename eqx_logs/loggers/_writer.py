@@ -65,20 +65,17 @@ class Writer:
         name: str,
         max_pending_bytes: int = MAX_PENDING_BYTES,
         *,
+        finish: Callable[[], None],
         on_full: Literal["block", "drop"] = "block",
         stall_timeout: float | None = STALL_TIMEOUT,
     ):
         self.name = name
         self.max_pending_bytes = max_pending_bytes
         self.on_full = on_full
-        self.finish: Callable[[], None] | None = None  # set by the owner: closes its runs
-        self.write_logs: Callable[[Any], None] | None = None  # set by the owner
-        self.fetch: Callable[[list[Any]], list[Any]] | None = None  # the owner's `ready`
+        self.finish = finish  # run on the thread by `close` (closes the owner's runs)
         self._prepared: dict[tuple[Any, Any], Prepared] = {}  # one per (write, ready)
         # items made ready, dropped by the next `submit`, `flush` or `close` (see `submit`)
         self._released: collections.deque = collections.deque()
-        self.memo: dict[Any, Any] = {}  # the owner's, for what it works out once
-        self.handles: dict[int, Any] = {}  # per-run backend state, used on the thread only
         self._changed = threading.Condition()  # guards everything below
         self._items: collections.deque = collections.deque()
         self._pending_bytes = 0
@@ -318,7 +315,7 @@ class Writer:
         """Flush, run `finish()` on the writer thread (closing files and runs), report, `check`.
         A stalled backend is given up on: what it has not written is abandoned and counted,
         and its files are left as they are. Writes submitted later reopen what they need."""
-        if self._thread is not None and self.finish is not None:
+        if self._thread is not None:
             finish = self.finish
             self._put(lambda _: finish(), None, 0, always=True)
         written = self._wait()
