@@ -4,12 +4,13 @@
 #   make test   runs the test suite
 # Each creates its own virtual environment (.venv, Python 3.11 / newest JAX there) and installs
 # what it needs. `make test312` runs the suite under Python 3.12 and JAX 0.12 (.venv312).
+# `make test-oracles` runs the random-program oracles with their full budget, exploring.
 
 PYTHON ?= python3
 # pyenv installs put python3.12 outside PATH on some machines; fall back to those.
 PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --version >/dev/null 2>&1 && echo python3.12 || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3.12 /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1)
 
-.PHONY: demo test test-fast test312 bench lint docs clean golden golden-record
+.PHONY: demo test test-oracles test-fast test312 mutations bench lint docs clean golden golden-record
 
 .venv/.installed: pyproject.toml
 	$(PYTHON) -m venv .venv
@@ -42,17 +43,34 @@ ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # tests are shared out one by one.
 WORKERS = -n 2 --dist loadfile
 ORACLE_WORKERS = -n 2 --dist load
+# The slowest tests of each run, so that the suite's time stays where it is worth spending.
+DURATIONS = --durations=15
+# The oracles' budgets (tests/test_oracle.py `budget`): `make test` replays the same programs
+# every run (derandomized), a share of each test's full budget; `make test-oracles` spends
+# the full budget on new programs each run, keeping the failing ones in .hypothesis/ (replayed
+# first next time). `make test ORACLE_SHARE=1` replays the full derandomized budget.
+ORACLE_SHARE ?= 0.25
+ORACLES_SHARED = EQX_LOGS_ORACLE_SHARE=$(ORACLE_SHARE) EQX_LOGS_ORACLE_EXPLORE=0
+ORACLES_FULL = EQX_LOGS_ORACLE_SHARE=1 EQX_LOGS_ORACLE_EXPLORE=1
 
 test: .venv/.installed
-	.venv/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	.venv/bin/python -m pytest -q $(ORACLE_WORKERS) $(ORACLES)
+	.venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
+	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
+
+test-oracles: .venv/.installed
+	$(ORACLES_FULL) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
 
 test-fast: .venv/.installed
-	.venv/bin/python -m pytest -q $(WORKERS) -m fast
+	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(WORKERS) -m fast
 
 test312: .venv312/.installed
-	.venv312/bin/python -m pytest -q $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	.venv312/bin/python -m pytest -q $(ORACLE_WORKERS) $(ORACLES)
+	.venv312/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
+	$(ORACLES_SHARED) .venv312/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
+
+# The mutation check (tests/mutations/): deliberate bugs in the engine, each of which the
+# engine's tests must catch (slow: a pytest run per mutation).
+mutations: .venv/.installed
+	$(ORACLES_SHARED) .venv/bin/python tests/mutations/run.py
 
 bench: .venv/.installed
 	.venv/bin/pip install -q -e '.[bench]'

@@ -24,6 +24,8 @@ import dataclasses
 import fnmatch
 import functools
 import math
+import os
+from pathlib import Path
 from typing import Any
 
 import equinox as eqx
@@ -33,6 +35,7 @@ import numpy as np
 import pytest
 from helpers import ATOL, RTOL, assert_close, assert_logs, padded
 from hypothesis import HealthCheck, assume, given, settings, strategies as st
+from hypothesis.database import DirectoryBasedExampleDatabase
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -1123,12 +1126,34 @@ def policy_cases(draw):
     return root, x0, z0, config, policy_kw, spool_kw
 
 
+# The oracles' budgets, from one setting. Each test's `budget(n)` below is its full budget of n
+# programs; a run spends the share EQX_LOGS_ORACLE_SHARE of it (a fraction, default 1: the
+# full budget; at least one program each). Derandomized (the same programs on every run, no
+# database) unless EQX_LOGS_ORACLE_EXPLORE=1: then new programs on every run, and the failing
+# ones kept in .hypothesis/ and replayed first. `make test` spends a share of the budget,
+# `make test-oracles` (run by CI too) the full budget, exploring (see the Makefile).
+ORACLE_SHARE = float(os.environ.get("EQX_LOGS_ORACLE_SHARE", "1"))
+ORACLE_EXPLORE = os.environ.get("EQX_LOGS_ORACLE_EXPLORE", "0") not in ("", "0")
+if not ORACLE_SHARE > 0:
+    raise ValueError(f"EQX_LOGS_ORACLE_SHARE={ORACLE_SHARE}: must be a positive fraction")
 SETTINGS = dict(
     deadline=None,
-    derandomize=True,
-    database=None,
+    derandomize=not ORACLE_EXPLORE,
+    database=(
+        DirectoryBasedExampleDatabase(
+            Path(__file__).resolve().parents[1] / ".hypothesis" / "oracles"
+        )
+        if ORACLE_EXPLORE
+        else None
+    ),
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+
+
+def budget(full: int) -> settings:
+    """Hypothesis settings for a test whose full budget is `full` programs: the run's share."""
+    return settings(max_examples=max(1, math.ceil(full * ORACLE_SHARE)), **SETTINGS)
+
 
 # ----------------------------------------------------------------------------------------
 # The oracle itself, against hand-written expectations
@@ -1282,7 +1307,7 @@ def test_config_reduction_and_selection():
 # ----------------------------------------------------------------------------------------
 
 
-@settings(max_examples=300, **SETTINGS)
+@budget(300)
 @given(cases(shard_map=True))
 def test_spool_matches_oracle(case):
     """spool(f) records exactly the oracle's events, padded to the static bound (a shard_map's
@@ -1295,7 +1320,7 @@ def test_spool_matches_oracle(case):
     assert_logs(logs, *o.expected())
 
 
-@settings(max_examples=80, **SETTINGS)
+@budget(80)
 @given(cases(shard_map=True))
 def test_jit_of_spool_matches_oracle(case):
     """f alone, then spool(f), then jax.jit(spool(f)): inner jits traced without logs are
@@ -1313,7 +1338,7 @@ def test_jit_of_spool_matches_oracle(case):
         assert_logs(logs, *o.expected())
 
 
-@settings(max_examples=80, **SETTINGS)
+@budget(80)
 @given(cases(shard_map=True))
 def test_spool_of_grad_matches_oracle(case):
     """spool(value_and_grad(f)): forward events once, with primal values; grads unchanged."""
@@ -1337,7 +1362,7 @@ def test_spool_of_grad_matches_oracle(case):
 BATCH = 2
 
 
-@settings(max_examples=80, **SETTINGS)
+@budget(80)
 @given(cases(vmap_safe=True, batch=BATCH, shard_map=True))
 def test_vmap_matches_oracle_per_lane(case):
     """spool(vmap(f)) stacks lanes on axis 1, vmap(spool(f)) on axis 0."""
@@ -1361,7 +1386,7 @@ def test_vmap_matches_oracle_per_lane(case):
     assert_logs(logs, {k: np.stack([e[0][k] for e in expected], axis=0) for k in keys}, counts)
 
 
-@settings(max_examples=25, **SETTINGS)
+@budget(25)
 @given(programs(), x_shapes, st.integers(0, 3))
 def test_logs_in_while_loop_raise(root, shape, trips):
     """A log inside a while_loop has no static bound: the default stack raises, naming it."""
@@ -1371,7 +1396,7 @@ def test_logs_in_while_loop_raise(root, shape, trips):
         eqx_logs.spool(f)(np.zeros(shape, np.float32), np.float32(0.0))
 
 
-@settings(max_examples=60, **SETTINGS)
+@budget(60)
 @given(
     cases(loops=("scan", "fori", "while")), st.integers(1, 5), st.sampled_from(["first", "last"])
 )
@@ -1387,7 +1412,7 @@ def test_capacity_stack_matches_oracle(case, capacity, keep):
     assert_logs(logs, *o.expected(capacity, keep))
 
 
-@settings(max_examples=100, **SETTINGS)
+@budget(100)
 @given(reduction_cases(shard_map=True))
 def test_reductions_match_oracle(case):
     """spool(f, reduce=..., interval=k) for every reduction (by name, EMA, Stack with a
@@ -1405,7 +1430,7 @@ def test_reductions_match_oracle(case):
     assert_reduced(logs, expected_reduced(o, config))
 
 
-@settings(max_examples=80, **SETTINGS)
+@budget(80)
 @given(policy_cases())
 def test_policy_matches_oracle(case):
     """A random Policy (rules with "drop", call-site reductions, tags and exclude against
@@ -1424,7 +1449,7 @@ def test_policy_matches_oracle(case):
 LANES = 3
 
 
-@settings(max_examples=50, **SETTINGS)
+@budget(50)
 @given(reduction_cases(batch=LANES))
 def test_batched_predicates_match_oracle_per_lane(case):
     """Conds, switches and while loops whose predicates read the batched state: under
@@ -1561,7 +1586,7 @@ def _has_extras(case) -> bool:
     return count_logs(case[0], (Stats, Instrument, Sow)) > 0
 
 
-@settings(max_examples=12, **SETTINGS)
+@budget(12)
 @given(cases(shard_map=True, extras=EXTRAS).filter(_has_extras))
 def test_statistics_and_sow_match_oracle(case):
     """Programs with log_stats, instrument and sow (no plant: sow logs and returns its
@@ -1577,7 +1602,7 @@ def test_statistics_and_sow_match_oracle(case):
         assert_events(logs, *o.expected())
 
 
-@settings(max_examples=10, **SETTINGS)
+@budget(10)
 @given(cases(shard_map=True, extras=EXTRAS).filter(_has_extras))
 def test_statistics_and_sow_under_grad_match_oracle(case):
     """spool(value_and_grad(f)): the forward events once, equal to spool(f)'s (the oracle's);
@@ -1614,7 +1639,7 @@ def extra_vmap_cases(draw):
     return root, xs, z0, batched
 
 
-@settings(max_examples=10, **SETTINGS)
+@budget(10)
 @given(extra_vmap_cases())
 def test_statistics_and_sow_under_vmap(case):
     """vmap(spool(f))(xs)[i] == spool(f)(xs[i]) == the oracle on xs[i]: statistics per lane
@@ -1695,7 +1720,7 @@ def plant_cases(draw):
     return root, x0, z0, planted, transform
 
 
-@settings(max_examples=15, **SETTINGS)
+@budget(15)
 @given(plant_cases())
 def test_plant_matches_oracle(case):
     """plant(f, values) against the oracle substituting by hand: the planted values replace

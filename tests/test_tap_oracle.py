@@ -24,11 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import assert_tree_allclose, padded
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, strategies as st
 from jax import lax
 from test_oracle import (
     LANES,
-    SETTINGS,
     TAGS,
     Checkpoint,
     Cond,
@@ -48,6 +47,7 @@ from test_oracle import (
     _update,
     _value,
     bounds,
+    budget,
     build,
     count_logs,
     in_outer_scan,
@@ -553,7 +553,7 @@ def _check_twice(tapped, x0, z0, o: TapOracle, want: list, rec: Recorder) -> Non
 # ----------------------------------------------------------------------------------------
 
 
-@settings(max_examples=40, **SETTINGS)
+@budget(40)
 @given(programs(loops=("scan", "fori", "while")), x_shapes, st.data(), intervals, VARIANTS)
 def test_tap_matches_oracle(root, shape, data, interval, variant):
     """tap(f, interval=k) (also of and under jax.jit, called twice) calls back exactly the
@@ -568,7 +568,7 @@ def test_tap_matches_oracle(root, shape, data, interval, variant):
     _check_twice(tapped, x0, z0, o, expected_stream(o.calls, interval), rec)
 
 
-@settings(max_examples=40, **SETTINGS)
+@budget(40)
 @given(scan_programs(), x_shapes, st.data(), st.sampled_from([2, 3, 4, 5]), VARIANTS)
 def test_split_scans_match_oracle(program, shape, data, interval, variant):
     """Loops (scans, fori_loops) logging once per iteration after events that shift the
@@ -614,7 +614,7 @@ def _check_grad(root, x0, z0, interval: int, where: str) -> None:
     assert_tree_allclose(grads[1], want[1], what="dz")
 
 
-@settings(max_examples=40, **SETTINGS)
+@budget(40)
 @given(
     st.one_of(programs(), scan_programs().map(lambda p: p[0])),
     x_shapes,
@@ -725,7 +725,7 @@ def _with_loop_index(node):
     return dataclasses.replace(node, **changes) if changes else node
 
 
-@settings(max_examples=30, **SETTINGS)
+@budget(30)
 @given(
     batched_cases(),
     intervals,
@@ -752,7 +752,7 @@ def test_vmap_of_tap_calls_back_per_lane(case, interval, variant, index):
     assert_stream(rec.stream(), lock.per_lane_stream(interval), variant)
 
 
-@settings(max_examples=30, **SETTINGS)
+@budget(30)
 @given(batched_cases(), intervals)
 def test_tap_of_vmap_calls_back_batched_events(case, interval):
     """tap(vmap(f)): one callback per event that happens in some lane, with the batched
@@ -844,7 +844,7 @@ def selections(draw):
     return select, drop, prefix, policy_kw, tap_kw
 
 
-@settings(max_examples=30, **SETTINGS)
+@budget(30)
 @given(
     programs(tags=TAGS, loops=("scan", "fori")),
     x_shapes,
