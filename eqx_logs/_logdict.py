@@ -1,6 +1,7 @@
 import dataclasses
 import functools
 import json
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -236,9 +237,24 @@ class _Aux:
         return self._plan
 
 
+# One LogDict may be read by several threads at once (a MultiLogger's writers, a user's thread
+# beside a writer): it is unpacked by one of them.
+_unpacking = threading.Lock()
+
+
 def _unpack(self: LogDict) -> None:
-    """Set the slots of a LogDict made by `tree_unflatten` from its leaves."""
-    aux, children = object.__getattribute__(self, "_packed")
+    """Set the slots of a LogDict made by `tree_unflatten` from its leaves (once, whichever
+    thread asks first)."""
+    with _unpacking:
+        try:
+            packed = object.__getattribute__(self, "_packed")
+        except AttributeError:  # another thread unpacked it meanwhile
+            return
+        _unpack_from(self, *packed)
+
+
+def _unpack_from(self: LogDict, aux: "_Aux", children: Any) -> None:
+    """`_unpack`'s work, under its lock."""
     keys, _, reductions, _, shared, nonfinite, groups = aux.spec
     count, rows, steps, arrays = aux.plan()
     self._count = {k: children[i] for k, i in count}
