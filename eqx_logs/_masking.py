@@ -34,6 +34,7 @@ class _Mask(Handler):
 
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
         self.mask, self.branch = mask, branch
+        self.interp = Interpreter(Policy(), RULES, self)
 
     def rule_carry(self, eqn: Any) -> list[Any]:
         # a custom_vjp's: its backward rule, traced when JAX transposes, may log (a
@@ -76,7 +77,7 @@ def masked_eval(
     """Evaluate `closed` on `args` with every log inside masked by `mask`, and marked as in
     `branch` (`(cond, branch index)`, see `_primitive.py`) if given. Outputs that have a lane
     value (`_lanes.py`: Equinox's loop predicates) are returned as their lane value."""
-    interp = Interpreter(Policy(), RULES, _Mask(mask, branch))
+    interp = _Mask(mask, branch).interp
     outs, _ = interp.eval(closed, args, {})
     return [x if interp.lanes.of(x) is None else interp.lanes.of(x) for x in outs]
 

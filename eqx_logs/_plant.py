@@ -14,7 +14,6 @@ from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
 from ._interpret import (
-    Interpreter,
     Spool,
     known as _known,
     site_list as _site_list,
@@ -94,8 +93,8 @@ class _Plant(Spool):
     name = "eqx_logs.plant"
 
     def __init__(self, values: dict[str, Any]):
-        super().__init__(keep=True)
         self.values = values
+        super().__init__(Policy(), RULES, keep=True)
         self.seen: set[str] = set()
 
     def statistics(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
@@ -133,7 +132,7 @@ class _Plant(Spool):
         v = jnp.asarray(v)
         if v.shape == x.shape:  # the same value for every event
             return v.astype(x.dtype)
-        bound = self.interp.store.bounds[key]
+        bound = self.store.bounds[key]
         sites = _site_list(self.interp.plan.info[key].sites)
         if v.shape[1:] != x.shape:
             raise ValueError(
@@ -200,7 +199,7 @@ def _plant_call(fun, values, args, kwargs):
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     plant = _Plant(values)
-    outs, _ = Interpreter(Policy(), RULES, plant).run(closed, flat)
+    outs, _ = plant.run(closed, flat)
     unknown = [k for k in values if k not in plant.seen]
     if unknown:
         logged = sorted(k for k in plant.interp.plan.info if k not in plant.seen)

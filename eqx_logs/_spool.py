@@ -14,7 +14,7 @@ import jax.tree_util as jtu
 from jaxtyping import PRNGKeyArray, PyTree
 
 from . import _compat, _masking, _nnx  # noqa: F401  (_masking: registers batching rules)
-from ._interpret import Interpreter, Spool, warn_unmatched
+from ._interpret import Spool, warn_unmatched
 from ._logdict import LogDict
 from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
@@ -335,9 +335,9 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
 def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    interpreter = Interpreter(policy, RULES, Spool(keep=keep))
-    outs, logs = interpreter.run(closed, flat)
-    warn_unmatched(interpreter, "eqx_logs.spool")
+    spool = Spool(policy, RULES, keep=keep)
+    outs, logs = spool.run(closed, flat)
+    warn_unmatched(spool.interp.plan, "eqx_logs.spool", spool.store)
     return rebuild(outs), logs
 
 

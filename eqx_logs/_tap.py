@@ -11,12 +11,12 @@ import numpy as np
 
 from . import _compat
 from ._buffers import Stack
-from ._interpret import Interpreter, warn_unmatched
+from ._interpret import warn_unmatched
 from ._policy import Policy, with_options
 from ._primitive import current_prefix
 from ._retrace import OPEN, finish, fun_key, fun_name, note_compile
 from ._spool import build_wrapper, carrying, trace_filtered, under_jax_jit
-from ._tapping import TAP_RULES, Tap
+from ._tapping import Tap
 
 _T = TypeVar("_T")
 
@@ -267,7 +267,7 @@ def _tap_call(fun, policy, sink, scope, context, args, kwargs):
         note_compile("eqx_logs.tap", fun_key(fun), fun, args, kwargs)
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     sink, every_process, buffer = sink
-    interpreter = Interpreter(policy, TAP_RULES, Tap(sink, every_process, context, buffer))
-    outs = interpreter.run(closed, flat)
-    warn_unmatched(interpreter, "eqx_logs.tap")
+    tap = Tap(policy, sink, every_process, context, buffer)
+    outs = tap.run(closed, flat)
+    warn_unmatched(tap.interp.plan, "eqx_logs.tap")
     return rebuild(outs)

@@ -14,7 +14,7 @@ from jax import lax
 
 from . import _compat, _lanes
 from ._deferred import force
-from ._interpret import INTERVAL_STEP, Handler
+from ._interpret import INTERVAL_STEP, Handler, Interpreter
 from ._primitive import rebind
 from ._rules import RULES, inline_copy_apply
 from ._tap_blocks import BLOCK, Blocks, hide_lanes
@@ -79,8 +79,14 @@ class Tap(Handler):
     name = "eqx_logs.tap"
 
     def __init__(
-        self, sink: Callable, every_process: bool, context: Any, buffer: int | None = None
+        self,
+        policy: Any,
+        sink: Callable,
+        every_process: bool,
+        context: Any,
+        buffer: int | None = None,
     ):
+        self.interp = Interpreter(policy, TAP_RULES, self)
         self.sink = sink
         # `buffer=k`: events gathered on the device, k per callback (`_tap_blocks.py`)
         self.blocks = None if buffer is None else Blocks(buffer, sink, context, every_process)

@@ -3,7 +3,7 @@ evaluator, handlers plugged into it, and the pieces they share. See README.md he
 
 from ._advice import warn_unmatched as warn_unmatched
 from ._evaluator import Interpreter as Interpreter
-from ._handler import Handler as Handler
+from ._handler import Handler as Handler, Stream as Stream
 from ._keys import keys_of as keys_of, site_list as site_list
 from ._plan import (
     Counts as Counts,

@@ -1,31 +1,31 @@
 """Advice after a run: what in the policy most likely holds a typo, and step-less keys that
 `interval` numbers per call (warned at the user's call)."""
 
-from typing import Any
-
 from .._policy import Policy, unmatched
 from .._warn import warn_user
 from ._keys import site_list
-from ._store import INTERVAL_STEP
+from ._plan import Plan
+from ._store import INTERVAL_STEP, Store
 
 
-def warn_unmatched(interp: Any, who: str) -> None:
+def warn_unmatched(plan: Plan, who: str, store: Store | None = None) -> None:
     """After a run: warn (at the user's call) for what in the policy most likely holds a
     typo: `tags` that selected nothing, an `exclude` tag or `rules` pattern that matches
-    nothing but resembles a tag or key logged (`_policy.unmatched`)."""
-    plan = interp.plan
-    if not isinstance(interp.policy, Policy) or not plan.selected:
+    nothing but resembles a tag or key logged (`_policy.unmatched`); with spool's `store`,
+    for step-less keys that `interval` numbers per call (`_stepless`)."""
+    policy = plan.policy
+    if not isinstance(policy, Policy) or not plan.selected:
         return
     tags = {t for ts in plan.selected for t in ts}
     keys = {key for key, _ in plan.reductions_of}
     selected = any(plan.selected.values())
-    for message in unmatched(interp.policy, who, tags, keys, selected):
+    for message in unmatched(policy, who, tags, keys, selected):
         warn_user(message)
-    if message := _stepless(interp.store, interp.policy, who):
+    if store is not None and (message := _stepless(store, policy, who)):
         warn_user(message)
 
 
-def _stepless(store: Any, policy: Any, who: str) -> str | None:
+def _stepless(store: Store, policy: Policy, who: str) -> str | None:
     """With `interval=k`, keys kept by their `step` beside keys without one, whose events
     per call are not a multiple of k: those are numbered within each call, so in a loop
     calling the spool once per step, each call keeps its first (a step-less key follows

@@ -7,9 +7,12 @@ everything else is bound as it is. Operands computed only for logs are evaluated
 an event needs them (`_deferred.py`). Nothing JAX created is mutated.
 
 What rules may use (besides `eval`): `count`, `keys`, `settle`, `threadable`, `guard`,
-`loop`/`entering_loop`/`iteration`, `snapshot`/`restored`, `on_device` (and the handler's
-`device_states`/`device_blocks`), `rule_name`; and the pieces `plan` (`_plan.py`), `lanes`
-(`_lane_context.py`), `manual` (`_manual.py`) and `handler` (`_handler.py`).
+`snapshot`/`restored`, `on_device`, `rule_name`; and the pieces `plan` (`_plan.py`), `lanes`
+(`_lane_context.py`), `manual` (`_manual.py`) and `handler` (`_handler.py`: its hooks, such as
+`loop`/`entering_loop`/`iteration`, `streamed`, `device_states`/`device_blocks`).
+
+A handler makes its interpreter (`Handler.run` drives it); the interpreter holds no state of
+any handler's, and calls the handler only through the hooks `Handler` declares.
 """
 
 import contextlib
@@ -23,25 +26,19 @@ from .._stats import stats_p
 from ._handler import Handler
 from ._lane_context import LaneContext
 from ._manual import ManualAxes
-from ._nonfinite import FirstNonfinite
 from ._plan import Counts, Plan
-from ._store import Store
 
 
 class Interpreter:
-    """Evaluates jaxprs, handing log events to `handler`."""
+    """Evaluates jaxprs, handing log events to `handler` (which makes it)."""
 
     def __init__(self, policy: Any, rules: dict[str, Any], handler: Handler):
         self.policy = policy
         self.rules = rules
         self.handler = handler
-        handler.interp = self
         self.manual = ManualAxes()
         self.plan = Plan(self, policy, rules, handler.reduction_of, self.manual)
         self.lanes = LaneContext()
-        self.store = Store(self.plan, self.manual, policy)
-        self.first: FirstNonfinite | None = None  # `Policy.first_nonfinite`, while running
-        self.depth = 0  # loops around the equation being evaluated (`loop`)
         # the custom derivative rule being evaluated, if any (its events may pass on)
         self.rule_name: str | None = None
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
@@ -53,9 +50,6 @@ class Interpreter:
     @property
     def tracks_guards(self) -> bool:
         return self.handler.tracks_guards
-
-    def run(self, closed: Any, args: Sequence[Any]) -> Any:
-        return self.handler.run(closed, args)
 
     def count(self, closed: Any) -> Counts:
         """Static bound on the number of selected events per key in `closed` (`Plan.count`)."""
@@ -105,22 +99,6 @@ class Interpreter:
         with self.handler.on_device(args):
             with self.manual.inside(tuple((a, 1) for a in axes), check_vma):
                 yield
-
-    @contextlib.contextmanager
-    def loop(self):
-        """Evaluate the body of a loop (`lax.scan`, `lax.while_loop`) one level deeper; its
-        rule calls `entering_loop` before it and `iteration` as each iteration begins."""
-        self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-
-    def entering_loop(self, states: dict[str, Any]) -> dict[str, Any]:
-        return states if self.first is None else self.first.enter(self.depth, states)
-
-    def iteration(self, states: dict[str, Any]) -> dict[str, Any]:
-        return states if self.first is None else self.first.advance(self.depth - 1, states)
 
     def bind_eqn(self, eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> list[Any]:
         """`_compat.bind_eqn` for an equation that is neither a log nor evaluated by a rule

@@ -1,21 +1,52 @@
-"""What differs between spool, tap, masking and plant: a handler plugged into `Interpreter`.
+"""What differs between spool, tap, masking and plant: a handler, which makes an `Interpreter`
+and drives it.
 
 The interpreter evaluates equations and hands each log event to its handler (`event`), each
 `eqx_logs.sow` (`sown`) and statistics equation (`statistics`); rules thread the handler's
 states through loops, branches and calls, asking it which states a jaxpr updates (`keys`) and
 how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` pair in a
-shard_map). The defaults here thread no state and bind every equation as it is.
+shard_map), telling it where loops begin (`loop`, `entering_loop`, `iteration`) and which keys
+a scan returns as its `ys` (`streamed`, a `Stream`). The defaults here thread no state and bind
+every equation as it is.
 """
 
 import contextlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 
 from .. import _compat
 from .._methods import method
 from .._stats import lane_masked, per_lane
+
+if TYPE_CHECKING:
+    from ._evaluator import Interpreter
+
+
+class Stream:
+    """The keys whose events a scan returns as its `ys` instead of carrying their states
+    (`Handler.streamed`), with their events per iteration: none here. The scan rule starts
+    each iteration's states with `start`, takes the iteration's events out of them with
+    `take` (returned as `ys`), and adds the `ys` to the states after the scan with `add`."""
+
+    keys: Mapping[str, int] = MappingProxyType({})
+
+    def start(self, states: dict[str, Any]) -> dict[str, Any]:
+        """An iteration's `states`, with the streamed keys' added."""
+        return states
+
+    def take(self, states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`(states, events)`: an iteration's states without the streamed keys', and their
+        events."""
+        return states, {}
+
+    def add(self, states: dict[str, Any], events: dict[str, Any], reverse: bool) -> dict[str, Any]:
+        """`states` after the scan, with the events it returned (`events`, stacked over its
+        iterations) added."""
+        del events, reverse
+        return states
 
 
 class Handler:
@@ -28,7 +59,7 @@ class Handler:
     # states of untaken branches away (for predicates JAX batches; see `_lanes.py`).
     tracks_guards = False
 
-    interp: Any = None  # the interpreter it is plugged into (`Interpreter.__init__`)
+    interp: "Interpreter"  # the interpreter it drives (made in its `__init__`)
 
     def reduction_of(self, key: str, site_reduce: Any) -> Any:
         """The reduction of `key` (or "drop"), uncached (`Plan.reduction_of` caches it)."""
@@ -78,10 +109,25 @@ class Handler:
         """`states` as arrays, to pass through a function JAX traces separately."""
         return states
 
-    def streamed(self, body: Any, length: Any) -> dict[str, int]:
-        """The keys whose events a scan over `body` returns as its `ys` (`_stream.py`)."""
+    def streamed(self, body: Any, length: Any) -> Stream:
+        """The keys whose events a scan over `body` returns as its `ys`."""
         del body, length
-        return {}
+        return Stream()
+
+    # -- loops ------------------------------------------------------------------------------
+
+    def loop(self) -> Any:
+        """A context for evaluating the body of a loop (`lax.scan`, `lax.while_loop`); its
+        rule calls `entering_loop` before it and `iteration` as each iteration begins."""
+        return contextlib.nullcontext()
+
+    def entering_loop(self, states: dict[str, Any]) -> dict[str, Any]:
+        """The states as a loop begins (before `loop`)."""
+        return states
+
+    def iteration(self, states: dict[str, Any]) -> dict[str, Any]:
+        """The states as an iteration of a loop begins (inside `loop`)."""
+        return states
 
     # -- context ----------------------------------------------------------------------------
 

@@ -11,8 +11,9 @@ from .. import _lanes
 from .._primitive import BACKWARD_TAG
 from .._stats import overflows
 from ._keys import site_list
+from ._store import Store
 
-# The state of `Policy.first_nonfinite`, threaded with the keys' states (`Interpreter.keys`).
+# The state of `Policy.first_nonfinite`, threaded with the keys' states (`Spool.keys`).
 FIRST = "\x00first_nonfinite"
 MAX_LOOPS = 8  # nested loops whose iteration it records
 
@@ -22,8 +23,8 @@ class FirstNonfinite:
     state threaded through every loop, branch and custom rule where a kept key logs, as the
     keys' states are, updated at each of their events."""
 
-    def __init__(self, store: Any):
-        info = store.info
+    def __init__(self, store: Store):
+        info = self.info = store.info
         if any(info[k].mesh for k in store.reductions):
             keys = [k for k in store.reductions if info[k].mesh]
             raise ValueError(
@@ -58,9 +59,10 @@ class FirstNonfinite:
         loops = jnp.asarray(state["loops"]).at[depth].add(1)
         return {**states, FIRST: {**state, "loops": loops}}
 
-    def check(self, interp, key, leaves, steps, mask, params, states) -> None:
+    def check(self, depth, key, leaves, steps, mask, params, states) -> None:
         """Fold one event of `key` (its value's `leaves`, batched over `params["nbatch"]`
-        leading axes; it happened where `mask`) into the state, before the event counts."""
+        leading axes; it happened where `mask`, inside `depth` loops) into the state, before
+        the event counts."""
         nb = params["nbatch"]
         floats = [jnp.asarray(x) for x in leaves]
         floats = [x for x in floats if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -79,7 +81,7 @@ class FirstNonfinite:
         lane = jnp.argmax(bad)
         state = states[key]
         before = jnp.asarray(state["seen"] if "seen" in state else state["count"])
-        if interp.store.info[key].lanes_as_events:  # one count for all lanes, in lane order
+        if self.info[key].lanes_as_events:  # one count for all lanes, in lane order
             event = before + lane
         else:
             event = jnp.ravel(jnp.broadcast_to(before, batch))[lane]
@@ -89,7 +91,7 @@ class FirstNonfinite:
             "event": event,
             "lane": lane if batch else -1,
             "backward": BACKWARD_TAG in params["tags"],
-            "depth": min(interp.depth, MAX_LOOPS),
+            "depth": min(depth, MAX_LOOPS),
             "iterations": states[FIRST]["loops"],
         }
         for name in self.steps:

@@ -1,6 +1,7 @@
 """spool's handler: events folded into one reduction state per key (`_store.py`), finalized
 into a `LogDict` after the run."""
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -14,52 +15,63 @@ from .._deferred import Lazy, force
 from .._logdict import LogDict
 from .._methods import method
 from .._primitive import rebind
-from . import _stream
-from ._handler import Handler
+from ._evaluator import Interpreter
+from ._handler import Handler, Stream
 from ._manual import check_across, merge_across
 from ._nonfinite import FIRST, FirstNonfinite
+from ._store import Store
+from ._stream import Streaming, streamed
 from ._values import known as _known, vmap_n
 
 
 class Spool(Handler):
-    """Folds each selected event into its key's state; `keep`: the events also pass on to an
-    enclosing spool or tap."""
+    """Folds each selected event into its key's state (in its `store`); `keep`: the events
+    also pass on to an enclosing spool or tap. Evaluates with `rules` (`eqx_logs/_rules/`)."""
 
-    def __init__(self, keep: bool = False):
+    def __init__(self, policy: Any, rules: dict[str, Any], keep: bool = False):
         self.keep = keep
+        self.interp = Interpreter(policy, rules, self)
+        self.store = Store(self.interp.plan, self.interp.manual, policy)
+        self.first: FirstNonfinite | None = None  # `Policy.first_nonfinite`, while running
+        self.depth = 0  # loops around the equation being evaluated (`loop`)
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The keys with a state (selected, not dropped) logged in `closed`; and where
         those log, the state that finds the first non-finite event (`FIRST`), if tracked."""
-        interp = self.interp
-        keys = tuple(k for k in interp.count(closed) if k in interp.store.reductions)
-        return (*keys, FIRST) if keys and interp.first is not None else keys
+        keys = tuple(k for k in self.interp.count(closed) if k in self.store.reductions)
+        return (*keys, FIRST) if keys and self.first is not None else keys
 
     def settle(
         self, states: dict[str, Any], keys: Any = None, *, arrays: bool = True
     ) -> dict[str, Any]:
-        return self.interp.store.settle(states, keys, arrays=arrays)
+        return self.store.settle(states, keys, arrays=arrays)
 
-    def streamed(self, body: Any, length: Any) -> dict[str, int]:
-        return _stream.streamed(self.interp, body, length)
+    def streamed(self, body: Any, length: Any) -> Stream:
+        if self.first is not None:  # each event needs its index in the key's events
+            return Stream()
+        interp = self.interp
+        return Streaming(self.store, streamed(interp.plan, interp.lanes, self.store, body, length))
 
-    def stream_state(self, key: str) -> dict[str, Any]:
-        return _stream.stream_state(self.interp.store, key)
+    @contextlib.contextmanager
+    def loop(self):
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
 
-    def stream_events(self, key: str, state: dict[str, Any]) -> dict[str, Any]:
-        return _stream.stream_events(self.interp.store, key, state)
+    def entering_loop(self, states: dict[str, Any]) -> dict[str, Any]:
+        return states if self.first is None else self.first.enter(self.depth, states)
 
-    def add_stream(
-        self, key: str, state: dict[str, Any], ys: Any, per_iteration: int, reverse: bool
-    ):
-        return _stream.add_stream(self.interp.store, key, state, ys, per_iteration, reverse)
+    def iteration(self, states: dict[str, Any]) -> dict[str, Any]:
+        return states if self.first is None else self.first.advance(self.depth - 1, states)
 
     def event(self, eqn: Any, invals: list[Any], states: dict[str, Any]) -> None:
         """Fold the events of one log equation into the states. Operands computed only for
         logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
         inside the `lax.cond` that folds it in (but on GPUs: `_branching.py`)."""
-        interp = self.interp
-        store, lanes = interp.store, interp.lanes
+        interp, store = self.interp, self.store
+        lanes = interp.lanes
         params = eqn.params
         selected = interp.plan.selects(params["tags"])
         if not selected or self.keep:
@@ -82,11 +94,11 @@ class Spool(Handler):
         if passed:
             rebind(eqn, invals, lanes.mask(), keys=passed, rule=interp.rule_name)
         keys = [k for k in items if k in states]
-        if interp.first is not None and keys:
+        if self.first is not None and keys:
             invals = [*force(invals[:n_leaves]), *invals[n_leaves:]]  # checked: all needed
             for key in keys:
                 value = [invals[i] for i in jtu.tree_leaves(items[key])]
-                interp.first.check(interp, key, value, steps, mask, params, states)
+                self.first.check(self.depth, key, value, steps, mask, params, states)
         by_lane = [k for k in keys if store.info[k].lanes_as_events and params["nbatch"]]
         if by_lane:
             keys = [k for k in keys if k not in by_lane]
@@ -116,7 +128,7 @@ class Spool(Handler):
 
     def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
         """Each lane of a batched event as an event of its own (`KeyInfo.lanes_as_events`)."""
-        store = self.interp.store
+        store = self.store
         for key in keys:
             value = jtu.tree_map(lambda i: leaves[i], items[key])
             batch = jnp.shape(jtu.tree_leaves(value)[0])[:nbatch]
@@ -133,13 +145,13 @@ class Spool(Handler):
                 states[key] = store.fold(key, states[key], event, valid)
 
     def run(self, closed: Any, args: Sequence[Any]) -> tuple[list[Any], LogDict]:
-        interp = self.interp
-        store, policy = interp.store, interp.policy
+        interp, store = self.interp, self.store
+        policy = interp.policy
         counts = interp.plan.recount(closed)
         states = store.setup(counts)
         if policy.first_nonfinite:
-            interp.first = FirstNonfinite(store)
-            states[FIRST] = interp.first.init()
+            self.first = FirstNonfinite(store)
+            states[FIRST] = self.first.init()
         outs, states = interp.eval(closed, args, states, settle=False)
         first = states.pop(FIRST, None)
         states = store.settle(states, arrays=False)  # what is known now stays so
@@ -188,5 +200,5 @@ class Spool(Handler):
                 known.setdefault((c.shape, c.dtype.str, c.tobytes()), []).append(name)
         logs._count_groups = tuple(tuple(g) for g in known.values() if len(g) > 1)
         if first is not None:
-            logs._nonfinite = (interp.first.finish(first["value"]), interp.first.tables())
+            logs._nonfinite = (self.first.finish(first["value"]), self.first.tables())
         return outs, logs

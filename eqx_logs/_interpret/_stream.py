@@ -3,8 +3,9 @@
 A key whose events in a scan body are all kept for sure (no cond, mask or interval decides
 them), the same number in every iteration, and stacked (Stack, the default), leaves the scan as
 its `ys`, as by hand: no buffer in the carry, no write per iteration. The scan rule asks
-`streamed` which keys of a body stream, starts each iteration with `stream_state`, takes each
-iteration's events out with `stream_events` and adds them after the scan with `add_stream`.
+`Spool.streamed` which keys of a body stream (`streamed`), and gets a `Streaming`: it starts
+every iteration with `stream_state`, takes each iteration's events out with `stream_events`
+and adds them after the scan with `add_stream`.
 """
 
 from typing import Any
@@ -17,28 +18,50 @@ from .. import _compat, _lanes
 from .._buffers import Stack
 from .._methods import method
 from .._primitive import is_log
+from ._handler import Stream
 from ._keys import keys_of
+from ._lane_context import LaneContext
+from ._plan import Plan
 from ._store import FRESH, STREAM, Pending, Store
 from ._values import counter, plus, stop_gradients, vmap_n
 
 
-def streamed(interp: Any, body: Any, length: Any) -> dict[str, int]:
+class Streaming(Stream):
+    """Spool's `Stream`: `keys` (with their events per iteration) leave a scan as its `ys`."""
+
+    def __init__(self, store: Store, keys: dict[str, int]):
+        self.store, self.keys = store, keys
+
+    def start(self, states: dict[str, Any]) -> dict[str, Any]:
+        return {**states, **{k: stream_state(self.store, k) for k in self.keys}}
+
+    def take(self, states: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        states = dict(states)
+        return states, {k: stream_events(self.store, k, states.pop(k)) for k in self.keys}
+
+    def add(self, states: dict[str, Any], events: dict[str, Any], reverse: bool) -> dict[str, Any]:
+        states = dict(states)
+        for k, block in events.items():
+            states[k] = add_stream(self.store, k, states[k], block, self.keys[k], reverse)
+        return states
+
+
+def streamed(
+    plan: Plan, lanes: LaneContext, store: Store, body: Any, length: Any
+) -> dict[str, int]:
     """The keys `body` can stream out (see above), with their events per iteration. The
     events of a scan nested in `body` that streams them count too, as one block (where no
     lane value can reach that scan, see `_lanes.py`: a lane guard would mask them)."""
-    store = interp.store
-    if not store.reductions or interp.policy.interval != 1 or interp.lanes.guards:
+    if not store.reductions or store.policy.interval != 1 or lanes.guards:
         return {}  # (no states at all: `_masking`'s interpreter only re-binds logs)
-    if interp.first is not None:
-        return {}  # each event needs its index in the key's events, which a state counts
     if not isinstance(length, int):
         return {}
     per_iteration: dict[str, int] = {}
     excluded: set[str] = set()
-    nested = not interp.lanes.values and not _lanes.has_lanes(body, nested=True)
+    nested = not lanes.values and not _lanes.has_lanes(body, nested=True)
     for eqn in _compat.unpack(body)[0].eqns:
         if is_log(eqn):
-            if not interp.plan.selects(eqn.params["tags"]):
+            if not plan.selects(eqn.params["tags"]):
                 continue
             for key in keys_of(eqn):
                 if key not in store.reductions:
@@ -46,15 +69,15 @@ def streamed(interp: Any, body: Any, length: Any) -> dict[str, int]:
                 if eqn.params["masked"] or store.info[key].lanes_as_events:
                     excluded.add(key)
                 per_iteration[key] = per_iteration.get(key, 0) + 1
-        elif interp.plan.eqn_has_log(eqn):
+        elif plan.eqn_has_log(eqn):
             inner = {}
-            if nested and interp.plan.rule(eqn).scan:
+            if nested and plan.rule(eqn).scan:
                 inner_body, _, _ = _compat.scan_parts(eqn)
                 inner_length = _compat.scan_options(eqn)["length"]
-                inner = streamed(interp, inner_body, inner_length)
+                inner = streamed(plan, lanes, store, inner_body, inner_length)
                 for key, n in inner.items():
                     per_iteration[key] = per_iteration.get(key, 0) + n * inner_length
-            excluded.update(k for k in interp.plan.rule(eqn).count(interp, eqn) if k not in inner)
+            excluded.update(k for k in plan.rule(eqn).count(plan.interp, eqn) if k not in inner)
     return {
         k: n
         for k, n in per_iteration.items()

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from .. import _compat, _lanes
-from .._interpret import unbounded
+from .._interpret import Stream, unbounded
 from ._table import _split, register
 
 # -- scan: states ride in the carry -----------------------------------------------------------
@@ -24,19 +24,20 @@ def _scan_apply(interp, eqn, invals, states):
     body, num_consts, num_carry = _compat.scan_parts(eqn)
     consts, init, xs = _split(invals, num_consts, num_carry)
     options = _compat.scan_options(eqn)
+    handler = interp.handler
     # keys whose events leave as `ys` (`Handler.streamed`), the others ride in the carry
     init_lanes = interp.lanes.of_each(init)
-    streamed = {} if init_lanes else interp.handler.streamed(body, options["length"])
-    carried = [k for k in interp.keys(body) if k not in streamed]
+    stream = Stream() if init_lanes else handler.streamed(body, options["length"])
+    carried = [k for k in interp.keys(body) if k not in stream.keys]
 
     def step(carry, x):
         values, lanes, sub = carry
         live = interp.lanes.in_step(values, lanes)  # see _while_apply
         interp.lanes.give(values, lanes)
-        sub = {**interp.iteration(sub), **{k: interp.handler.stream_state(k) for k in streamed}}
+        sub = stream.start(handler.iteration(sub))
         with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
             outs, sub = interp.eval(body, [*consts, *values, *x], sub, settle=False)
-        events = {k: interp.handler.stream_events(k, sub.pop(k)) for k in streamed}
+        sub, events = stream.take(sub)
         values = outs[:num_carry]
         new_lanes = interp.lanes.like(values, lanes)
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
@@ -45,16 +46,14 @@ def _scan_apply(interp, eqn, invals, states):
             events,
         )
 
-    states = interp.entering_loop(states)
+    states = handler.entering_loop(states)
     carry = (init, interp.lanes.carried(init, init_lanes), interp.settle(states, carried))
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
-    with interp.loop():
+    with handler.loop():
         (values, lanes, sub), (ys, events) = lax.scan(step, carry, xs, **options)
     interp.lanes.give(values, lanes)
-    states = {**states, **sub}
-    for k, block in events.items():
-        states[k] = interp.handler.add_stream(k, states[k], block, streamed[k], options["reverse"])
+    states = stream.add({**states, **sub}, events, options["reverse"])
     return [*values, *ys], states
 
 
@@ -83,16 +82,16 @@ def _while_apply(interp, eqn, invals, states):
 
     def advance(values, lanes, sub):
         interp.lanes.give(values, lanes)
-        values, sub = interp.eval(body, [*body_consts, *values], interp.iteration(sub))
+        values, sub = interp.eval(body, [*body_consts, *values], interp.handler.iteration(sub))
         return values, interp.lanes.like(values, lanes), sub
 
-    sub = interp.settle(interp.entering_loop(states), keys)
-    with interp.loop():
+    sub = interp.settle(interp.handler.entering_loop(states), keys)
+    with interp.handler.loop():
         return _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance)
 
 
 def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
-    """The loop of `_while_apply`, built inside `interp.loop()`."""
+    """The loop of `_while_apply`, built inside `Handler.loop()`."""
     cond = _compat.while_parts(eqn)[0]
     guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
     if not interp.plan.has_log(cond) and not guarded:
