@@ -45,7 +45,7 @@ def _per_iteration(tap: Any, closed: Any, stepped: bool = False) -> dict[str, in
                     return None
                 for g, n in sub.items():
                     total[g] = total.get(g, 0) + n
-            elif any(k in tap._kept for k in rule.count(tap.interp, eqn)):
+            elif any(k in tap._kept for k in rule.count(plan, eqn)):
                 return None
     return total
 

@@ -162,7 +162,7 @@ class Tap(Handler):
     def run(self, closed: Any, args: Any) -> list[Any]:
         interp = self.interp
         plan = interp.plan
-        counts = interp.count(closed)
+        counts = plan.count(closed)
         kept = [k for k in counts if not plan.dropped(k)]
         # Keys logged by exactly the same log equations always have the same number of events,
         # so they share one event counter: fewer scalar ops in every loop iteration.
@@ -190,7 +190,7 @@ class Tap(Handler):
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The event counters (one per group of keys) that `closed` updates."""
-        keys = [k for k in self.interp.count(closed) if k in self._kept]
+        keys = [k for k in self.interp.plan.count(closed) if k in self._kept]
         groups = tuple(dict.fromkeys(self._group[k] for k in keys))
         return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 

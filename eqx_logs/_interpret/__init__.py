@@ -4,9 +4,14 @@ evaluator, handlers plugged into it, and the pieces they share. See README.md he
 from ._advice import warn_unmatched as warn_unmatched
 from ._evaluator import Interpreter as Interpreter
 from ._handler import Handler as Handler, Stream as Stream
-from ._keys import keys_of as keys_of, site_list as site_list
+from ._keys import (
+    check_rule_dtypes as check_rule_dtypes,
+    keys_of as keys_of,
+    site_list as site_list,
+)
 from ._plan import (
     Counts as Counts,
+    Plan as Plan,
     UnhandledPrimitiveError as UnhandledPrimitiveError,
     max_counts as max_counts,
     unbounded as unbounded,

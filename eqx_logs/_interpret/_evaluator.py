@@ -6,9 +6,9 @@ rebuilds it through JAX's public constructors with the handler's states threaded
 everything else is bound as it is. Operands computed only for logs are evaluated lazily, where
 an event needs them (`_deferred.py`). Nothing JAX created is mutated.
 
-What rules may use (besides `eval`): `count`, `keys`, `settle`, `threadable`, `guard`,
-`snapshot`/`restored`, `on_device`, `rule_name`; and the pieces `plan` (`_plan.py`), `lanes`
-(`_lane_context.py`), `manual` (`_manual.py`) and `handler` (`_handler.py`: its hooks, such as
+What rules may use (besides `eval`): `guard`, `snapshot`/`restored`, `on_device`, `rule_name`;
+and the pieces `plan` (`_plan.py`: `count`), `lanes` (`_lane_context.py`), `manual`
+(`_manual.py`) and `handler` (`_handler.py`: its hooks `keys`, `settle`, `threadable`,
 `loop`/`entering_loop`/`iteration`, `streamed`, `device_states`/`device_blocks`).
 
 A handler makes its interpreter (`Handler.run` drives it); the interpreter holds no state of
@@ -17,60 +17,35 @@ any handler's, and calls the handler only through the hooks `Handler` declares.
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import _compat, _lanes
 from .._deferred import Lazy, Producers, log_only
+from .._policy import Policy
 from .._primitive import is_log, is_sow
 from .._stats import stats_p
 from ._handler import Handler
 from ._lane_context import LaneContext
 from ._manual import ManualAxes
-from ._plan import Counts, Plan
+from ._plan import Plan
+
+if TYPE_CHECKING:
+    from .._rules import Rule
 
 
 class Interpreter:
     """Evaluates jaxprs, handing log events to `handler` (which makes it)."""
 
-    def __init__(self, policy: Any, rules: dict[str, Any], handler: Handler):
+    def __init__(self, policy: Policy, rules: "dict[str, Rule]", handler: Handler):
         self.policy = policy
         self.rules = rules
         self.handler = handler
         self.manual = ManualAxes()
-        self.plan = Plan(self, policy, rules, handler.reduction_of, self.manual)
+        self.plan = Plan(policy, rules, handler.reduction_of, self.manual, handler.name)
         self.lanes = LaneContext()
         # the custom derivative rule being evaluated, if any (its events may pass on)
         self.rule_name: str | None = None
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
-
-    @property
-    def name(self) -> str:
-        return self.handler.name
-
-    @property
-    def tracks_guards(self) -> bool:
-        return self.handler.tracks_guards
-
-    def count(self, closed: Any) -> Counts:
-        """Static bound on the number of selected events per key in `closed` (`Plan.count`)."""
-        return self.plan.count(closed)
-
-    def keys(self, closed: Any) -> tuple[str, ...]:
-        """The states `closed` updates (`Handler.keys`)."""
-        return self.handler.keys(closed)
-
-    def settle(
-        self, states: dict[str, Any], keys: Any = None, *, arrays: bool = True
-    ) -> dict[str, Any]:
-        """The states of `keys` (all by default) ready to thread through a function JAX traces
-        (a loop body, a branch): `Handler.settle`."""
-        return self.handler.settle(states, keys, arrays=arrays)
-
-    def threadable(self, states: dict[str, Any]) -> dict[str, Any]:
-        return self.handler.threadable(states)
-
-    def rule(self, eqn: _compat.JaxprEqn) -> Any:
-        return self.handler.rule(eqn, self.plan.rule(eqn))
 
     @contextlib.contextmanager
     def guard(self, pred: Callable[[], Any], lane: Any = None):
@@ -139,7 +114,8 @@ class Interpreter:
             elif is_sow(eqn):
                 outs = handler.sown(eqn, invals, states)
             elif plan.eqn_has_log(eqn) or (handler.wraps_custom_rules and self._custom(eqn)):
-                outs, states = self.rule(eqn).apply(self, eqn, invals, states)
+                rule = handler.rule(eqn, plan.rule(eqn))
+                outs, states = rule.apply(self, eqn, invals, states)
             else:
                 outs = self.bind_eqn(eqn, invals)
             if lanes.values or _lanes.is_lane_primitive(eqn):
@@ -147,7 +123,7 @@ class Interpreter:
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
-        return [read(v) for v in jaxpr.outvars], self.settle(states) if settle else states
+        return [read(v) for v in jaxpr.outvars], handler.settle(states) if settle else states
 
     def _custom(self, eqn: _compat.JaxprEqn) -> bool:
         rule = self.rules.get(eqn.primitive.name)

@@ -95,7 +95,7 @@ class Handler:
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The states that `closed` updates."""
-        self.interp.count(closed)
+        self.interp.plan.count(closed)
         return ()
 
     def settle(

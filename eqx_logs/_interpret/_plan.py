@@ -8,14 +8,19 @@ holding the jaxpr so that the id stays unique), and the policy's answers per tag
 """
 
 import contextlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .. import _compat
 from .._methods import method
+from .._policy import Policy
 from .._primitive import current_prefix, is_log, log_effect, logging_as
 from . import _keys
 from ._keys import KeyInfo, site_list
+from ._manual import ManualAxes
+
+if TYPE_CHECKING:
+    from .._rules import Rule
 
 Counts = dict[str, int | None]  # key -> static bound on its events (None: unbounded)
 
@@ -92,12 +97,17 @@ def unbounded(counts: Counts) -> Counts:
 class Plan:
     """The static answers about the jaxprs one interpreter evaluates: per key, its `KeyInfo`
     (`info`) and bound on events (`count`); per jaxpr, whether it logs (`has_log`). Rules'
-    `count` functions answer for their primitives (with `interp.count` for their jaxprs)."""
+    `count` functions answer for their primitives (with `plan.count` for their jaxprs)."""
 
     def __init__(
-        self, interp: Any, policy: Any, rules: dict[str, Any], reduction: Any, manual: Any
+        self,
+        policy: Policy,
+        rules: "dict[str, Rule]",
+        reduction: Callable[[str, Any], Any],
+        manual: ManualAxes,
+        name: str,
     ):
-        self.interp = interp  # handed to the rules' `count`
+        self.name = name  # the handler's, in errors
         self.manual = manual  # the manual mesh axes around what is counted (`_manual.py`)
         self.policy = policy
         self.rules = rules
@@ -201,7 +211,7 @@ class Plan:
             elif self.eqn_has_log(eqn):
                 self._outer.append(eqn)  # (for the location of an error inside it)
                 try:
-                    parts.append((self._branches(eqn), self.rule(eqn).count(self.interp, eqn)))
+                    parts.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
                 finally:
                     self._outer.pop()
         total = _exclusive(parts, 0)
@@ -249,11 +259,7 @@ class Plan:
             if n is not None:
                 self.iteration_events[key] = max(self.iteration_events.get(key, 0), n)
 
-    def check_rule_dtypes(self, closed: Any, name: str) -> None:
-        """See `_keys.check_rule_dtypes`."""
-        _keys.check_rule_dtypes(self.info, closed, name)
-
-    def rule(self, eqn: _compat.JaxprEqn) -> Any:
+    def rule(self, eqn: _compat.JaxprEqn) -> "Rule":
         rule = self.rules.get(eqn.primitive.name)
         if rule is None:
             self.unhandled(eqn)
@@ -268,7 +274,7 @@ class Plan:
         sites = _log_sites(eqn)
         raise UnhandledPrimitiveError(
             f"eqx_logs: {what} (at {_compat.eqn_location(eqn, self._outer)}) contains logs"
-            f"{f' (at {site_list(sites)})' if sites else ''}, but {self.interp.name} has no "
+            f"{f' (at {site_list(sites)})' if sites else ''}, but {self.name} has no "
             "rule for it yet, so its events cannot be captured and would be lost. Move the logs "
             f"out of it, or wrap the code in `eqx_logs.nolog`."
             f"{_HI_HINT if hi is not None else ''} Supported: {sorted(self.rules)}."

@@ -4,7 +4,7 @@ into a `LogDict` after the run."""
 import contextlib
 import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -14,6 +14,7 @@ from .. import _branching, _lanes
 from .._deferred import Lazy, force
 from .._logdict import LogDict
 from .._methods import method
+from .._policy import Policy
 from .._primitive import rebind
 from ._evaluator import Interpreter
 from ._handler import Handler, Stream
@@ -23,12 +24,15 @@ from ._store import Store
 from ._stream import Streaming, streamed
 from ._values import known as _known, vmap_n
 
+if TYPE_CHECKING:
+    from .._rules import Rule
+
 
 class Spool(Handler):
     """Folds each selected event into its key's state (in its `store`); `keep`: the events
     also pass on to an enclosing spool or tap. Evaluates with `rules` (`eqx_logs/_rules/`)."""
 
-    def __init__(self, policy: Any, rules: dict[str, Any], keep: bool = False):
+    def __init__(self, policy: Policy, rules: "dict[str, Rule]", keep: bool = False):
         self.keep = keep
         self.interp = Interpreter(policy, rules, self)
         self.store = Store(self.interp.plan, self.interp.manual, policy)
@@ -38,7 +42,7 @@ class Spool(Handler):
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The keys with a state (selected, not dropped) logged in `closed`; and where
         those log, the state that finds the first non-finite event (`FIRST`), if tracked."""
-        keys = tuple(k for k in self.interp.count(closed) if k in self.store.reductions)
+        keys = tuple(k for k in self.interp.plan.count(closed) if k in self.store.reductions)
         return (*keys, FIRST) if keys and self.first is not None else keys
 
     def settle(

@@ -22,7 +22,10 @@ from jax import lax
 from .. import _compat
 from .._buffers import NeedsBound, _cast
 from .._methods import method
+from .._policy import Policy
 from ._keys import KeyInfo, site_list
+from ._manual import ManualAxes
+from ._plan import Plan
 from ._values import as_array, counter, known, plus, stop_gradients, vmap_n, widened
 
 # With `interval=k`, events that carry a step of this name are kept where it is a multiple of
@@ -48,7 +51,10 @@ class Pending:
 
 
 class Store:
-    def __init__(self, plan: Any, manual: Any, policy: Any):
+    """Each key's state (see above), for the keys of `plan`, under the `manual` mesh axes
+    around what is evaluated."""
+
+    def __init__(self, plan: Plan, manual: ManualAxes, policy: Policy):
         self.plan, self.manual, self.policy = plan, manual, policy
         self.info: dict[str, KeyInfo] = plan.info
         self.reductions: dict[str, Any] = {}  # the keys with a state: their reduction
@@ -71,15 +77,6 @@ class Store:
                 }
         self.per_call = counts
         return {key: self.init(key, counts[key]) for key in self.reductions}
-
-    def batch_shape(self, key: str) -> tuple[int, ...]:
-        return self.manual.batch_shape(self.info[key])
-
-    def fit(self, key: str, mask: Any) -> Any:
-        return self.manual.fit(self.info[key], mask)
-
-    def lead(self, key: str, x: Any) -> Any:
-        return self.manual.lead(self.info[key], x)
 
     def init(self, key: str, bound: int | None) -> dict[str, Any]:
         info = self.info[key]
@@ -116,13 +113,13 @@ class Store:
         with it counted. `mask` says where the event really happened. With `interval=k`, an
         event that carries the step `INTERVAL_STEP` is kept where that step is a multiple of
         k; other events are numbered per key (0, k, 2k, ... are kept)."""
-        state = dict(state)
-        batch = self.batch_shape(key)
+        state, info = dict(state), self.info[key]
+        batch = self.manual.batch_shape(info)
         valid = mask
         period = self.policy.interval
         if period > 1:
             if mask is not True:
-                mask = self.fit(key, mask)
+                mask = self.manual.fit(info, mask)
             if INTERVAL_STEP in steps:
                 number = jnp.asarray(steps[INTERVAL_STEP])
             else:
@@ -134,7 +131,7 @@ class Store:
                 valid = jnp.logical_and(multiple, mask)
             state["seen"] = plus(state["seen"], mask)
         if not isinstance(valid, bool):
-            valid = self.fit(key, valid) if jnp.shape(valid) != batch else valid
+            valid = self.manual.fit(info, valid) if jnp.shape(valid) != batch else valid
         state["count"] = plus(state["count"], valid)
         return state, valid
 
@@ -186,15 +183,17 @@ class Store:
         info = self.info[key]
         n = self.manual.local_axes(info)
         leaves = [
-            self.lead(key, widened(_cast(x, s.dtype), s.shape[n:]))
+            self.manual.lead(info, widened(_cast(x, s.dtype), s.shape[n:]))
             for x, s in zip(jtu.tree_leaves(value), info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
         for name, s in info.steps.items():
             if name in steps:
-                step = self.lead(key, widened(jnp.asarray(steps[name], s.dtype), s.shape[n:]))
+                step = self.manual.lead(
+                    info, widened(jnp.asarray(steps[name], s.dtype), s.shape[n:])
+                )
             else:
-                step = self.lead(key, jnp.full(s.shape[n:], -1, s.dtype))
+                step = self.manual.lead(info, jnp.full(s.shape[n:], -1, s.dtype))
             event[f"step:{name}"] = step
         # events take no gradient: under `grad`, stopped now, so that nothing stacks or reduces
         # them under differentiation (in a jaxpr being built, one stop per state suffices)
@@ -212,7 +211,7 @@ class Store:
         """A new state of `key` in `channel`, with `events` (all kept) folded in."""
         info, reduction = self.info[key], self.channels[key][channel]
         struct, bound = self.lane_struct(key, channel), self.bounds[key]
-        batch = self.batch_shape(key)
+        batch = self.manual.batch_shape(info)
         try:
             if events:
                 init = functools.partial(method(reduction, "init_many"), struct, bound)

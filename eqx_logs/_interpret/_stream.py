@@ -77,7 +77,7 @@ def streamed(
                 inner = streamed(plan, lanes, store, inner_body, inner_length)
                 for key, n in inner.items():
                     per_iteration[key] = per_iteration.get(key, 0) + n * inner_length
-            excluded.update(k for k in plan.rule(eqn).count(plan.interp, eqn) if k not in inner)
+            excluded.update(k for k in plan.rule(eqn).count(plan, eqn) if k not in inner)
     return {
         k: n
         for k, n in per_iteration.items()
@@ -87,7 +87,7 @@ def streamed(
 
 def stream_state(store: Store, key: str) -> dict[str, Any]:
     """The state a streamed key starts every iteration with."""
-    state = {"count": counter(store.batch_shape(key))}
+    state = {"count": counter(store.manual.batch_shape(store.info[key]))}
     return state | {channel: Pending(STREAM, ()) for channel in store.channels[key]}
 
 
@@ -144,7 +144,7 @@ def add_stream(
             continue
         # the lanes' layout: batch axes first
         block = jtu.tree_map(lambda x: jnp.moveaxis(x, 0, nbatch), block)
-        batch = store.batch_shape(key)
+        batch = store.manual.batch_shape(store.info[key])
         if isinstance(old, Pending) and old.state is FRESH and not old.events:
             if n == store.bounds[key]:  # the events are the whole buffer
                 state[channel] = {"buffer": block, "index": counter(batch, n)}

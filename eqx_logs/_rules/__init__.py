@@ -2,7 +2,8 @@
 
 A rule has two functions:
 
-- `count(interp, eqn) -> Counts`: the static bound on events per key inside the equation;
+- `count(plan, eqn) -> Counts`: the static bound on events per key inside the equation (with
+  `plan.count` for its jaxprs, `_interpret/_plan.py`);
 - `apply(interp, eqn, invals, states) -> (outs, states)`: evaluate the equation in the current
   trace, rebuilt with JAX's public constructors (`lax.scan`, `lax.while_loop`, `lax.switch`,
   `jax.checkpoint`) and with the reduction states of its keys threaded through.

@@ -11,8 +11,8 @@ from ._table import register
 # -- calls that are inlined: jit, closed_call -------------------------------------------------
 
 
-def _call_count(interp, eqn):
-    return interp.count(_compat.call_jaxpr(eqn))
+def _call_count(plan, eqn):
+    return plan.count(_compat.call_jaxpr(eqn))
 
 
 def _inline_apply(interp, eqn, invals, states):
@@ -26,9 +26,9 @@ register(_compat.CUSTOM_VMAP, _call_count, _inline_apply)
 # -- checkpoint / remat: rebuilt with jax.checkpoint ------------------------------------------
 
 
-def _remat_count(interp, eqn):
-    with interp.plan.recomputing(_compat.recomputes(eqn)):
-        return interp.count(_compat.call_jaxpr(eqn))
+def _remat_count(plan, eqn):
+    with plan.recomputing(_compat.recomputes(eqn)):
+        return plan.count(_compat.call_jaxpr(eqn))
 
 
 def _remat_apply(interp, eqn, invals, states):
@@ -39,7 +39,8 @@ def _remat_apply(interp, eqn, invals, states):
             return interp.eval(closed, args, sub)
 
     remat = jax.checkpoint(body, **_compat.remat_options(eqn))
-    outs, sub = remat(invals, interp.settle(states, interp.keys(closed)))
+    handler = interp.handler
+    outs, sub = remat(invals, handler.settle(states, handler.keys(closed)))
     return outs, {**states, **sub}
 
 

@@ -10,14 +10,14 @@ from .._interpret import max_counts
 from ._table import register
 
 
-def _cond_count(interp, eqn):
-    return max_counts([interp.count(b) for b in _compat.cond_branches(eqn)])
+def _cond_count(plan, eqn):
+    return max_counts([plan.count(b) for b in _compat.cond_branches(eqn)])
 
 
 def _cond_apply(interp, eqn, invals, states):
     branches = _compat.cond_branches(eqn)
     index, *ops = invals
-    keys = dict.fromkeys(k for b in branches for k in interp.keys(b))
+    keys = dict.fromkeys(k for b in branches for k in interp.handler.keys(b))
 
     lane = interp.lanes.of(index)
 
@@ -34,7 +34,7 @@ def _cond_apply(interp, eqn, invals, states):
         return run
 
     runs = [make(i, b) for i, b in enumerate(branches)]
-    lanes, sub = interp.lanes.of_each(ops), interp.settle(states, keys)
+    lanes, sub = interp.lanes.of_each(ops), interp.handler.settle(states, keys)
     # (a `lax.platform_dependent` stays one: lowered, it keeps its platform's branch alone)
     platforms = _compat.cond_platforms(eqn)
     outs, sub = _compat.switch(index, runs, ops, lanes, sub, platforms=platforms)

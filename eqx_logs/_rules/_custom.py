@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 
 from .. import _compat
+from .._interpret import check_rule_dtypes
 from .._primitive import current_prefix, logging_as
 from ._table import register
 
@@ -25,7 +26,8 @@ class _Threaded:
         self.interp, self.eqn = interp, eqn
         self.closed = _compat.call_jaxpr(eqn)
         self.num_consts = eqn.params["num_consts"]
-        sub = interp.threadable(interp.settle(states, interp.keys(self.closed)))
+        handler = interp.handler
+        sub = handler.threadable(handler.settle(states, handler.keys(self.closed)))
         lanes = interp.lanes.of_each(invals[self.num_consts :])
         context, self.static = interp.snapshot()
         extra, self.in_def = jtu.tree_flatten((sub, context, lanes))
@@ -60,8 +62,8 @@ class _Threaded:
         """The states were made for the primal's events: a rule may log a key at most as
         often as the primal (keys the primal does not log pass on, see `Spool.event`)."""
         interp = self.interp
-        primal = interp.count(self.closed)
-        for key, n in interp.count(closed).items():
+        primal = interp.plan.count(self.closed)
+        for key, n in interp.plan.count(closed).items():
             bound = primal.get(key)
             if key in primal and bound is not None and (n is None or n > bound):
                 raise ValueError(
@@ -149,19 +151,19 @@ def _custom_vjp_apply(interp, eqn, invals, states):
     return t.finish(flat, states)
 
 
-def _custom_count(interp, eqn):
+def _custom_count(plan, eqn):
     """The primal's events; where it logs, the user's rule is traced too (as JAX traces it when
     it differentiates), and must log each key the primal logs with the same dtype: under
     differentiation its events replace the primal's, and a key's layout may not depend on
     whether a derivative is taken."""
-    counts = interp.count(_compat.call_jaxpr(eqn))
+    counts = plan.count(_compat.call_jaxpr(eqn))
     if counts:
         try:
             with logging_as(current_prefix()):
                 rule = _compat.custom_rule_jaxpr(eqn)
         except Exception:  # noqa: BLE001 (traced only when JAX differentiates, then checked)
             return counts
-        interp.plan.check_rule_dtypes(rule, _custom_name(eqn))
+        check_rule_dtypes(plan.info, rule, _custom_name(eqn))
     return counts
 
 

@@ -12,11 +12,11 @@ from ._table import _split, register
 # -- scan: states ride in the carry -----------------------------------------------------------
 
 
-def _scan_count(interp, eqn):
+def _scan_count(plan, eqn):
     body, _, _ = _compat.scan_parts(eqn)
     length = _compat.scan_options(eqn)["length"]
-    per_iteration = interp.count(body)
-    interp.plan.note_iteration(per_iteration)
+    per_iteration = plan.count(body)
+    plan.note_iteration(per_iteration)
     return {k: None if n is None else n * length for k, n in per_iteration.items()}
 
 
@@ -28,7 +28,7 @@ def _scan_apply(interp, eqn, invals, states):
     # keys whose events leave as `ys` (`Handler.streamed`), the others ride in the carry
     init_lanes = interp.lanes.of_each(init)
     stream = Stream() if init_lanes else handler.streamed(body, options["length"])
-    carried = [k for k in interp.keys(body) if k not in stream.keys]
+    carried = [k for k in handler.keys(body) if k not in stream.keys]
 
     def step(carry, x):
         values, lanes, sub = carry
@@ -41,13 +41,13 @@ def _scan_apply(interp, eqn, invals, states):
         values = outs[:num_carry]
         new_lanes = interp.lanes.like(values, lanes)
         lanes = {i: jnp.where(live, new_lanes[i], x) for i, x in lanes.items()}
-        return (values, interp.lanes.carried(values, lanes), interp.settle(sub)), (
+        return (values, interp.lanes.carried(values, lanes), handler.settle(sub)), (
             outs[num_carry:],
             events,
         )
 
     states = handler.entering_loop(states)
-    carry = (init, interp.lanes.carried(init, init_lanes), interp.settle(states, carried))
+    carry = (init, interp.lanes.carried(init, init_lanes), handler.settle(states, carried))
     if xs:  # inferred from xs: a symbolic length (jax.export) cannot be passed explicitly
         options["length"] = None
     with handler.loop():
@@ -63,15 +63,16 @@ register(_compat.SCAN, _scan_count, _scan_apply, scan=True)
 # -- while: states ride in the carry; logs in cond_fun run before each test --------------------
 
 
-def _while_count(interp, eqn):
+def _while_count(plan, eqn):
     cond, _, body, _ = _compat.while_parts(eqn)
-    return unbounded({**interp.count(cond), **interp.count(body)})
+    return unbounded({**plan.count(cond), **plan.count(body)})
 
 
 def _while_apply(interp, eqn, invals, states):
     cond, cond_nconsts, body, body_nconsts = _compat.while_parts(eqn)
     cond_consts, body_consts, init = _split(invals, cond_nconsts, body_nconsts)
-    keys = dict.fromkeys([*interp.keys(cond), *interp.keys(body)])
+    handler = interp.handler
+    keys = dict.fromkeys([*handler.keys(cond), *handler.keys(body)])
     # carried values with a lane value (`_lanes.py`) carry it along, as an extra carry
     init_lanes = interp.lanes.of_each(init)
 
@@ -82,18 +83,18 @@ def _while_apply(interp, eqn, invals, states):
 
     def advance(values, lanes, sub):
         interp.lanes.give(values, lanes)
-        values, sub = interp.eval(body, [*body_consts, *values], interp.handler.iteration(sub))
+        values, sub = interp.eval(body, [*body_consts, *values], handler.iteration(sub))
         return values, interp.lanes.like(values, lanes), sub
 
-    sub = interp.settle(interp.handler.entering_loop(states), keys)
-    with interp.handler.loop():
+    sub = handler.settle(handler.entering_loop(states), keys)
+    with handler.loop():
         return _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance)
 
 
 def _while_loop(interp, eqn, states, sub, init, init_lanes, test, advance):
     """The loop of `_while_apply`, built inside `Handler.loop()`."""
     cond = _compat.while_parts(eqn)[0]
-    guarded = interp.tracks_guards or init_lanes or _lanes.has_lanes(cond)
+    guarded = interp.handler.tracks_guards or init_lanes or _lanes.has_lanes(cond)
     if not interp.plan.has_log(cond) and not guarded:
         values, _, sub = lax.while_loop(
             lambda c: test(c[0], {}, {})[0], lambda c: advance(*c), (init, {}, sub)

@@ -7,15 +7,15 @@ from .. import _compat
 from ._table import register
 
 
-def _shard_map_count(interp, eqn):
+def _shard_map_count(plan, eqn):
     body, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
-    with interp.manual.inside(tuple((a, mesh.shape[a]) for a in axes), mesh=mesh):
-        return interp.count(body)
+    with plan.manual.inside(tuple((a, mesh.shape[a]) for a in axes), mesh=mesh):
+        return plan.count(body)
 
 
 def _shard_map_apply(interp, eqn, invals, states):
     body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
-    keys = interp.keys(body)
+    keys = interp.handler.keys(body)
     # a key's states have one leading axis per mesh axis: each device gets its own block
     specs = {k: P(*axes) for k in keys}
 
@@ -33,7 +33,9 @@ def _shard_map_apply(interp, eqn, invals, states):
         axis_names=frozenset(axes),
         check_vma=check_vma,
     )
-    outs, sub = run(tuple(invals), per_device_blocks(interp.settle(states, keys), mesh, axes))
+    outs, sub = run(
+        tuple(invals), per_device_blocks(interp.handler.settle(states, keys), mesh, axes)
+    )
     return list(outs), {**states, **sub}
 
 

@@ -16,16 +16,16 @@ from ._table import register
 # Logs in `matvec` as derivatives re-run it (not the forward solve) are removed.
 
 
-def _linear_solve_count(interp, eqn):
+def _linear_solve_count(plan, eqn):
     jaxprs, _, _ = _compat.linear_solve_parts(eqn)
-    return interp.count(jaxprs["solve"])
+    return plan.count(jaxprs["solve"])
 
 
 def _linear_solve_apply(interp, eqn, invals, states):
     jaxprs, positions, num_consts = _compat.linear_solve_parts(eqn)
     consts = {name: [invals[i] for i in idx] for name, idx in positions.items()}
     b = list(invals[num_consts:])
-    sub = interp.settle(states, interp.keys(jaxprs["solve"]))
+    sub = interp.handler.settle(states, interp.handler.keys(jaxprs["solve"]))
 
     def run(name, args):
         closed = _compat.strip_jaxpr(jaxprs[name], is_log, log_effect)
@@ -69,11 +69,11 @@ register(_compat.LINEAR_SOLVE, _linear_solve_count, _linear_solve_apply)
 # on tangents, the transposed solve) is the derivative's, not the user's forward events.
 
 
-def _opaque_count(interp, eqn):
-    body = interp.plan.opaque_body(eqn)
+def _opaque_count(plan, eqn):
+    body = plan.opaque_body(eqn)
     if body is None:
-        interp.plan.unhandled(eqn)
-    return interp.count(body)
+        plan.unhandled(eqn)
+    return plan.count(body)
 
 
 def _opaque_apply(interp, eqn, invals, states):
@@ -115,19 +115,19 @@ register(_compat.EQUINOX_PRIMITIVES, _opaque_count, _opaque_apply)
 # the spool traced), the events from its forward jaxpr (the `solve`) on stop-gradient inputs.
 
 
-def _hi_forward(interp, eqn):
+def _hi_forward(plan, eqn):
     forward = _compat.hi_forward(eqn)
     if forward is None:
-        interp.plan.unhandled(eqn)
+        plan.unhandled(eqn)
     return forward
 
 
-def _hi_count(interp, eqn):
-    return interp.count(_hi_forward(interp, eqn)[0])
+def _hi_count(plan, eqn):
+    return plan.count(_hi_forward(plan, eqn)[0])
 
 
 def _hi_apply(interp, eqn, invals, states):
-    forward, n = _hi_forward(interp, eqn)
+    forward, n = _hi_forward(interp.plan, eqn)
     outs = _compat.bind_eqn(eqn, invals)
     primal = [lax.stop_gradient(x) for x in invals[:n]]
     _, states = interp.eval(forward, primal, states, settle=False)

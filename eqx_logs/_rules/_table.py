@@ -3,11 +3,11 @@
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
-from .._interpret import Counts, Interpreter
+from .._interpret import Counts, Interpreter, Plan
 
 
 class Rule(NamedTuple):
-    count: Callable[[Interpreter, Any], Counts]
+    count: Callable[[Plan, Any], Counts]
     apply: Callable[[Interpreter, Any, list, dict], tuple[list, dict]]
     # Evaluates its jaxpr (`_compat.call_jaxpr`) once, in the current trace, as straight-line
     # code, and threads the states itself: a handler may take its events for its jaxpr's.
