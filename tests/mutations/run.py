@@ -6,12 +6,14 @@
 Copies the repository at REV (default HEAD; `git archive`, so uncommitted edits play no
 part) into a temporary directory, checks that the selection passes there unmutated, then for
 each mutation of `mutations.json` (a file, an exact snippet found once in it, its replacement,
-what it breaks) applies it alone and runs `python -m pytest -x -q -n 2 <selection>` with a
+what it breaks) applies it alone and runs `python -m pytest -x -v -n 2 <selection>` with a
 timeout: caught (the run fails), missed (it passes) or timeout, and the seconds to the
-verdict. `-x` stops a caught mutation at its first failing test; Hypothesis does not shrink
-(`noshrink.py`). The selection defaults to
-the engine's tests without the golden jaxprs (`DEFAULT_SELECTION`); pass
-`-- tests/test_golden_jaxprs.py` to see what the goldens alone catch.
+verdict. A caught mutation is stopped at its first failing test (the run is killed there:
+with -n 2, -x alone waits for each worker's queue); Hypothesis does not shrink
+(`noshrink.py`). The selection defaults to the engine's tests without the golden jaxprs
+(`DEFAULT_SELECTION`); pass `-- tests/test_golden_jaxprs.py` to see what the goldens alone
+catch. Slow: a pytest run per mutation (about a minute each for a caught one on two idle
+cores; a missed one runs the whole selection). `--part I/N` runs every N-th mutation.
 
 The tests run under this interpreter (`sys.executable`: run it with `.venv/bin/python`),
 importing the copy's `eqx_logs` (`python -m pytest` puts the copy first on the path; the
@@ -21,10 +23,13 @@ tests' subprocesses get the copy's root from their own file's path).
 import argparse
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -62,22 +67,44 @@ DEFAULT_SELECTION = UNIT[:1] + ORACLES + UNIT[1:]
 
 
 def run_pytest(root: Path, selection: list[str], timeout: float) -> tuple[str, float, str]:
+    """Runs the selection under a mutation: "caught" at the first failing test (the run is
+    stopped there: with -n 2, -x alone waits for each worker's queue), "missed" if it
+    passes, "timeout" past `timeout` seconds."""
     path = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-n", "2", "-p", "no:cacheprovider"]
+    # -v: xdist prints each result as it comes ("[gw0] ... FAILED tests/...::test")
+    cmd = [sys.executable, "-m", "pytest", "-x", "-v", "-n", "2", "-p", "no:cacheprovider"]
     cmd += ["-p", "noshrink"]  # a failing program is reported as found (noshrink.py)
     start = time.monotonic()
+    proc = subprocess.Popen(
+        [*cmd, *selection],
+        cwd=root,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
+    timer.start()
+    verdict, first, last = None, "", ""
     try:
-        proc = subprocess.run(
-            [*cmd, *selection], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return "timeout", time.monotonic() - start, ""
+        for line in proc.stdout:
+            last = line.strip() or last
+            if re.search(r"\b(FAILED|ERROR) tests/", line):
+                verdict, first = "caught", line.strip()
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        proc.wait()
+    finally:
+        timer.cancel()
     seconds = time.monotonic() - start
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(("FAILED", "ERROR"))]
-    last = proc.stdout.strip().splitlines()[-1:] or [proc.stderr.strip()[-200:]]
-    tail = lines[0] if lines else last[0]
-    return ("missed" if proc.returncode == 0 else "caught"), seconds, tail[:300]
+    if verdict is None:
+        if seconds >= timeout:
+            verdict = "timeout"
+        else:
+            verdict = "missed" if proc.returncode == 0 else "caught"
+    return verdict, seconds, (first or last)[:300]
 
 
 def main() -> int:
