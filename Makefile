@@ -57,8 +57,14 @@ test: .venv/.installed
 	.venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
 	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
 
+# The exploring run draws its programs from a seed fixed by the code it tests (eqx_logs/ and
+# tests/ as committed): a commit always meets the same programs, so a CI run can be replayed
+# (`make test-oracles`) and a change to either draws new ones; `ORACLE_SEED=` draws at random.
+ORACLE_SEED ?= $(shell git rev-parse HEAD:eqx_logs HEAD:tests 2>/dev/null | cksum | cut -d' ' -f1)
+
 test-oracles: .venv/.installed
-	$(ORACLES_FULL) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
+	$(ORACLES_FULL) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) \
+		$(if $(ORACLE_SEED),--hypothesis-seed=$(ORACLE_SEED)) $(ORACLES)
 
 test-fast: .venv/.installed
 	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(WORKERS) -m fast
