@@ -108,10 +108,6 @@ class FanOut(AbstractSink):
         self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
     ) -> None:
         # each fetches on its own thread, and through its logger's `_submit_logs`
-        if isinstance(logs, LogDict):
-            # unpacked here, once: a LogDict unflattened from a host callback's leaves is
-            # unpacked lazily, by its first reader, and its loggers' threads would race to
-            logs.count
         self._each([sink.submit for sink in self.sinks], state, logs, size)
 
     def submit_rows(self, run: int, rows: list[Record]) -> None:
