@@ -64,14 +64,7 @@ def records(
         if key in logs.rows and leaves:  # an event axis: a record per real event or window
             length = leaves[0].shape[0]
             if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
-                (warn or warn_user)(
-                    f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
-                    f"holds {int(np.max(logs.rows[key]))}: the rest are not written. With "
-                    "`interval`, this happens when the logged `step` repeats; pass "
-                    "`reduce=eqx_logs.Stack(capacity=N)` or log a step that grows with every "
-                    "event.",
-                    UserWarning,
-                )
+                (warn or warn_user)(overflow_message(key, count, logs.rows[key]), UserWarning)
             for i in range(int(np.max(logs.rows[key]))):
                 row = jax.tree.map(lambda x: x[i], value)
                 # steps line up with the rows, except for Collect (whose rows are elements)
@@ -82,6 +75,18 @@ def records(
                 yield {"key": key, "value": row, **row_steps}
         else:
             yield {"key": key, "value": value, "count": count, **steps}
+
+
+def overflow_message(key: str, count: Any, rows: Any) -> str:
+    """What `records` warns when a Stack kept more events (`count`) than its buffer holds
+    (`rows`)."""
+    return (
+        f"eqx_logs: key {key!r} kept {int(np.max(count))} events but its buffer "
+        f"holds {int(np.max(rows))}: the rest are not written. With "
+        "`interval`, this happens when the logged `step` repeats; pass "
+        "`reduce=eqx_logs.Stack(capacity=N)` or log a step that grows with every "
+        "event."
+    )
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
@@ -121,6 +126,10 @@ def to_python(x: Any) -> Any:
         return {k if isinstance(k, str) else str(k): to_python(v) for k, v in x.items()}
     if isinstance(x, list | tuple):
         return [to_python(v) for v in x]
+    if isinstance(x, np.generic | np.ndarray) and x.dtype.kind in "biuf" and x.ndim == 0:
+        # (the common case, a numpy scalar, without `host_array`'s dtype checks)
+        item = x.item()
+        return item if not isinstance(item, float) or math.isfinite(item) else str(item)
     arr = host_array(x)
     if arr.ndim == 0:
         item = arr.item()
@@ -137,6 +146,8 @@ def host_array(x: Any) -> np.ndarray:
     numpy lacks (bfloat16, float8, ...) become float32, and narrow integer types (int4,
     uint2, ...) int8 or uint8, which hold them exactly."""
     x = np.asarray(x)
+    if x.dtype.kind != "V":  # numpy's own types (jax's extra ones are "V"): as they are
+        return x
     if jnp.issubdtype(x.dtype, jnp.floating) and not np.issubdtype(x.dtype, np.floating):
         return x.astype(np.float32)
     if jnp.issubdtype(x.dtype, jnp.integer) and not np.issubdtype(x.dtype, np.integer):

@@ -20,6 +20,7 @@ import numpy as np
 from .._logdict import LogDict
 from ._host import Record, flat_items, host_array, records, to_host
 from ._packed import Layout, Packed, stand_in
+from ._rows import HostRows
 from ._state import LoggerState
 from ._transfer import _fetch, _leaves, _nbytes
 from ._writer import Writer
@@ -233,7 +234,7 @@ class Sink(AbstractSink):
 
     # --- on the writer thread ----------------------------------------------------------------
 
-    def _write_logs(self, item: tuple[np.ndarray, LogDict | None]) -> None:
+    def _write_logs(self, item: tuple[np.ndarray, LogDict | HostRows | None]) -> None:
         """Write fetched logs (`_fetch`), one run per lane of a state under `vmap` (a run
         written nothing is opened all the same); keep the `first_nonfinite` report for the
         caller."""
@@ -244,6 +245,11 @@ class Sink(AbstractSink):
             if logs is None:  # no events
                 if run not in self.handles:
                     self._write_run((run, []))
+                continue
+            if isinstance(logs, HostRows):  # (one lane, no `first_nonfinite` report)
+                rows = logs.records(writer.notify)
+                if rows or run not in self.handles:
+                    self._write_run((run, rows))
                 continue
             lane_logs = jax.tree.map(lambda x: x[lane], logs) if lane else logs
             rows = list(records(lane_logs, writer.notify))

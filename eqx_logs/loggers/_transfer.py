@@ -16,6 +16,7 @@ from .._retrace import fun_key, note_compile
 from ._host import to_host
 from ._packed import Packed, pack, unpack
 from ._prepared import NOTHING
+from ._rows import HostRows, row_plan
 
 
 @functools.cache
@@ -39,7 +40,8 @@ def _fetch(
 ) -> list[Any]:
     """On the writer thread, before the backend's turn: wait for the device, then fetch the
     run indices and counts (or small leaves, packed) of every write queued in a row (one
-    transfer), and the keys that hold events of those that have any (another). `(runs, None)`
+    transfer), and the keys that hold events of those that have any (another); a packed write
+    of a layout with a `RowPlan` as its buffers (`HostRows`). `(runs, None)`
     for a write without events, or `NOTHING` where its runs are all `opened` already, or
     opened by a write before it (a write without events opens its runs, and does nothing
     more). Each item is `(runs, logs, drop)`: `runs`, the state's run indices (on the device
@@ -52,11 +54,17 @@ def _fetch(
     }
     for i, buffers in to_host(more).items():
         heads[i] = (heads[i][0], buffers)
-    keep = {}
-    for i, ((_, logs, drop), (_, head)) in enumerate(zip(items, heads)):
+    keep, cut = {}, {}
+    for i, ((_, logs, drop), (runs, head)) in enumerate(zip(items, heads)):
         if isinstance(logs, Packed) and not isinstance(head, list):
             continue  # (the counts alone, none of them an event)
         if isinstance(logs, Packed):
+            # (its counts hold an event; one lane; no key to drop: else as below)
+            simple = logs.layout.counts is not None and not drop and np.ndim(runs) == 0
+            plan = row_plan(logs.layout) if simple else None
+            if plan is not None:  # its records are cut from the buffers (`HostRows`)
+                cut[i] = HostRows(plan, head, drop)
+                continue
             logs = unpack(logs, head)
             logs = logs._without(drop) if drop else logs
             head = logs.count  # (numpy arrays)
@@ -65,6 +73,7 @@ def _fetch(
         if len(empty) < len(logs) or logs._nonfinite is not None:
             keep[i] = logs._without(empty) if empty else logs
     fetched = to_host(keep)
+    fetched.update(cut)
     out, opening = [], set()  # (the runs that a write before this one opens)
     for i, (runs, _) in enumerate(heads):
         mine = {int(r) for r in np.ravel(runs)}
