@@ -1,0 +1,188 @@
+"""`logger.jit` at `interval=1`: the writes queued behind a busy backend are fetched together,
+and their records cut straight from the fetched buffers (`_rows.py`). What is written must be
+what the LogDict path writes (same lines, values and order), and a backend that fails inside
+such a batch must lose exactly the writes it lost before: the one that raised and those after
+it."""
+
+import threading
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import eqx_logs
+from eqx_logs.loggers import JsonlLogger, WriterError, WriterWarning, read_jsonl
+from eqx_logs.loggers._rows import row_plan
+
+STEPS = 500
+
+
+class Gate:
+    """Hashable by identity (a static field): `_open` waits for `opened`; `_write` raises at
+    call `fail_at` (0-based; None: never) and counts its calls."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.opened = threading.Event()
+        self.fail_at = fail_at
+        self.calls = 0
+
+
+class Gated(JsonlLogger):
+    """A JsonlLogger whose first write waits (in `_open`) until the test has queued every
+    step's write behind it, so that the writer takes them as one batch."""
+
+    gate: Gate = eqx.field(static=True, kw_only=True)
+
+    def _open(self, run):
+        assert self.gate.opened.wait(60)
+        return super()._open(run)
+
+    def _write(self, handle, run, records):
+        call, self.gate.calls = self.gate.calls, self.gate.calls + 1
+        if call == self.gate.fail_at:
+            raise OSError("disk on fire")
+        super()._write(handle, run, records)
+
+
+def step(x, i):
+    """Several keys and dtypes, a vector, a non-finite value now and then."""
+    loss = jnp.where(i % 97 == 5, jnp.nan, x * 0.5)
+    eqx_logs.log(
+        {
+            "loss": loss,
+            "big": jnp.where(i % 89 == 7, -jnp.inf, x * 1e30),
+            "count": i * 3,
+            "flag": i % 2 == 0,
+            "half": x.astype(jnp.float16),
+            "brain": x.astype(jnp.bfloat16),
+            "vec": jnp.stack([x, -x, x * x]),
+        },
+        step=i,
+    )
+    return x + 0.25
+
+
+def reference(steps: int) -> list[dict]:
+    """The rows `step` writes for `steps` calls from `x = 1`, worked out in numpy."""
+    rows, x = [], np.float32(1.0)
+    for i in range(steps):
+        values = {
+            "big": -np.inf if i % 89 == 7 else float(x * np.float32(1e30)),
+            "brain": float(x.astype(ml_dtypes.bfloat16).astype(np.float32)),
+            "count": i * 3,
+            "flag": i % 2 == 0,
+            "half": float(x.astype(np.float16)),
+            "loss": np.nan if i % 97 == 5 else float(x * np.float32(0.5)),
+            "vec": [float(x), float(-x), float(x * x)],
+        }
+        rows += [{"run": 0, "key": k, "value": v, "step": i} for k, v in sorted(values.items())]
+        x = np.float32(x + np.float32(0.25))
+    return rows
+
+
+def _same(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys() and g["key"] == w["key"] and g["step"] == w["step"], (g, w)
+        np.testing.assert_array_equal(g["value"], w["value"], err_msg=str(g))
+        assert type(g["value"]) is type(w["value"]), (g, w)
+
+
+def _run(logger, steps: int) -> None:
+    jitted = logger.jit(step, logger.init(), interval=1)
+    x = jnp.float32(1.0)
+    for i in range(steps):
+        x = jitted(x, jnp.int32(i))
+    _, packed = jitted.jitted(x, jnp.int32(0))
+    assert row_plan(packed.layout) is not None  # the records are cut from the buffers
+
+
+def test_batched_rows_equal_the_numpy_reference_and_the_logdict_path(tmp_path):
+    gate = Gate()
+    logger = Gated(tmp_path / "jit.jsonl", gate=gate)
+    _run(logger, STEPS)  # every write queued behind the first, held in `_open`
+    assert logger._sink.writer._submitted == STEPS
+    gate.opened.set()
+    logger.close()
+    assert gate.calls == STEPS  # a backend write per call, as before
+    got = read_jsonl(tmp_path / "jit.jsonl")
+    _same(got, reference(STEPS))
+
+    # the LogDict path (a spooled call's logs, written by `logger.write`) writes the same lines
+    with JsonlLogger(tmp_path / "write.jsonl") as logger:
+        spooled = eqx.filter_jit(eqx_logs.spool(step, interval=1))
+        x = jnp.float32(1.0)
+        for i in range(STEPS):
+            x, logs = spooled(x, jnp.int32(i))
+            logger.write(logs)
+    assert (tmp_path / "jit.jsonl").read_text() == (tmp_path / "write.jsonl").read_text()
+
+
+def test_a_layout_with_a_pytree_value_keeps_the_logdict_path(tmp_path):
+    def nested(x, i):
+        eqx_logs.log({"tree": {"a": x, "b": 2 * x}, "loss": x}, step=i)
+        return x + 1
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(nested, logger.init(), interval=1)
+        x = jnp.float32(0.0)
+        for i in range(20):
+            x = jitted(x, jnp.int32(i))
+        _, packed = jitted.jitted(x, jnp.int32(0))
+        assert row_plan(packed.layout) is None
+    rows = read_jsonl(tmp_path / "a.jsonl")
+    assert [(r["key"], r["step"]) for r in rows] == [
+        (k, i) for i in range(20) for k in ("loss", "tree")
+    ]
+    assert [r["value"] for r in rows if r["key"] == "tree"] == [
+        {"a": float(i), "b": 2.0 * i} for i in range(20)
+    ]
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 137, STEPS - 1])
+def test_a_write_failing_inside_a_batch_loses_it_and_those_after(tmp_path, fail_at):
+    gate = Gate(fail_at)
+    logger = Gated(tmp_path / "a.jsonl", gate=gate)
+    _run(logger, STEPS)
+    assert logger._sink.writer._submitted == STEPS
+    gate.opened.set()
+    lost = STEPS - fail_at  # the write that raised, then those skipped after it
+    with (
+        pytest.warns(WriterWarning, match=rf"^Gated: {lost} of {STEPS} write\(s\) were not"),
+        pytest.raises(WriterError, match="disk on fire") as raised,
+    ):
+        logger.flush()
+    assert raised.value.lost == lost
+    assert gate.calls == fail_at + 1  # the writes after it were skipped, not tried
+    _same(read_jsonl(tmp_path / "a.jsonl"), reference(fail_at))  # those before it, whole
+    _run(logger, 3)  # the logger keeps working for new calls
+    logger.close()
+    steps = [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")]
+    assert steps[-21:] == [0] * 7 + [1] * 7 + [2] * 7
+
+
+def test_several_rows_per_call_equal_the_logdict_path(tmp_path):
+    def scanned(x, i):  # three events of each key per call: a Stack's rows
+        def body(c, k):
+            eqx_logs.log({"a": c, "b": (c * 2).astype(jnp.int32)}, step=i * 3 + k)
+            return c + 1, None
+
+        return jax.lax.scan(body, x, jnp.arange(3))[0], None
+
+    with JsonlLogger(tmp_path / "jit.jsonl") as logger:
+        jitted = logger.jit(lambda x, i: scanned(x, i)[0], logger.init())
+        x = jnp.float32(0.0)
+        for i in range(50):
+            x = jitted(x, jnp.int32(i))
+    with JsonlLogger(tmp_path / "write.jsonl") as logger:
+        spooled = eqx.filter_jit(eqx_logs.spool(lambda x, i: scanned(x, i)[0]))
+        x = jnp.float32(0.0)
+        for i in range(50):
+            x, logs = spooled(x, jnp.int32(i))
+            logger.write(logs)
+    rows = read_jsonl(tmp_path / "jit.jsonl")
+    assert [r["step"] for r in rows if r["key"] == "a"] == list(range(150))
+    assert (tmp_path / "jit.jsonl").read_text() == (tmp_path / "write.jsonl").read_text()
