@@ -44,7 +44,9 @@ from ._scope import (
     current_prefix as current_prefix,
     current_steps,
     logging_as as logging_as,
+    note_steps,
     tracing_context as tracing_context,
+    unwatched,
 )
 
 
@@ -272,6 +274,8 @@ def bind(
     enclosing `scope` blocks. `statistics`: the items are statistics of arrays
     (`"<where>/<stat>"`, see `_stats.py`), not the values the user logged."""
     steps = {**current_steps(), **steps}
+    if _compat.logging_enabled.value:
+        note_steps(steps, site)
     leaves, treedef = jtu.tree_flatten(items)
     names = tuple(sorted(steps))
     operands = [jnp.asarray(x) for x in leaves] + [jnp.asarray(steps[n]) for n in names]
@@ -309,7 +313,9 @@ def grad_tap(
     `BACKWARD_TAG` and `tags` (those of the forward events it belongs with), with the steps of
     the `scope` blocks around this call. `items_of` must be hashable (JAX keys its traces on
     it)."""
-    return _grad_tap(items_of, site, (BACKWARD_TAG, *tags), x, current_steps())
+    steps = current_steps()
+    note_steps(steps, site)
+    return _grad_tap(items_of, site, (BACKWARD_TAG, *tags), x, steps)
 
 
 # The steps travel as residuals: JAX may trace the backward rule in a trace of its own (the
@@ -325,7 +331,7 @@ def _grad_tap_fwd(items_of, site, tags, x, steps):
 
 def _grad_tap_bwd(items_of, site, tags, steps, ct):
     if _compat.logging_enabled.value:
-        with _no_context_steps():
+        with _no_context_steps(), unwatched():
             bind(items_of(ct), steps, tags=tags, site=site, statistics=items_of.statistics)
     zeros = jtu.tree_map(lambda s: np.zeros(np.shape(s), jax.dtypes.float0), steps)
     return ct, zeros

@@ -101,6 +101,64 @@ def current_steps() -> dict[str, Any]:
     return merged
 
 
+class StepWatch:
+    """Whether every event traced while it is on carries the call's step (`logger.jit(...,
+    step=...)`): its `step` is that argument's traced value, entered with `call_step`; each
+    event whose step `INTERVAL_STEP` is another value (its own `step=`, an inner `scope`, a
+    custom rule traced apart, which sees no scope) is noted in `others` by its call site.
+    Then, where the call's step is not a multiple of `interval`, no event of the call can be
+    kept, and the call may run without its logs."""
+
+    __slots__ = ("step", "others")
+
+    def __init__(self):
+        self.step: Any = None
+        self.others: list[str] = []
+
+
+# The step `interval` selects by (`_interpret/_store.py`).
+INTERVAL_STEP = "step"
+
+
+@contextlib.contextmanager
+def watching() -> Iterator[StepWatch]:
+    """A `StepWatch` over the events traced inside the block."""
+    saved, _local.watch = getattr(_local, "watch", None), StepWatch()
+    try:
+        yield _local.watch
+    finally:
+        _local.watch = saved
+
+
+@contextlib.contextmanager
+def call_step(step: Any) -> Iterator[None]:
+    """Inside the block, `step` is the call's step: the step of every event without one of
+    its own (a `scope(step=step)`), and what the enclosing `watching` compares events with."""
+    with scope(**{INTERVAL_STEP: step}):
+        watch = getattr(_local, "watch", None)
+        if watch is not None:
+            watch.step = current_steps()[INTERVAL_STEP]  # (as `scope` checked it)
+        yield
+
+
+def note_steps(steps: dict[str, Any], site: str) -> None:
+    """Tell the enclosing `watching`, if any, the steps of an event traced at `site`."""
+    watch = getattr(_local, "watch", None)
+    if watch is not None and (watch.step is None or steps.get(INTERVAL_STEP) is not watch.step):
+        watch.others.append(site)
+
+
+@contextlib.contextmanager
+def unwatched() -> Iterator[None]:
+    """Events traced inside the block were noted where they were written (a backward rule,
+    whose steps travel as residuals: other traced values, the same steps)."""
+    saved, _local.watch = getattr(_local, "watch", None), None
+    try:
+        yield
+    finally:
+        _local.watch = saved
+
+
 class _Traced:
     """A traced step's place in a trace-cache key: equal only to itself."""
 

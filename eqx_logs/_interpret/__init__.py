@@ -1,6 +1,7 @@
 """The jaxpr interpreter behind `spool`, `tap`, `plant` and the masking of batched conds: one
 evaluator, handlers plugged into it, and the pieces they share. See README.md here."""
 
+from .._scope import INTERVAL_STEP as INTERVAL_STEP
 from ._advice import warn_unmatched as warn_unmatched
 from ._evaluator import Interpreter as Interpreter
 from ._handler import Handler as Handler, Stream as Stream
@@ -17,5 +18,5 @@ from ._plan import (
     unbounded as unbounded,
 )
 from ._spooling import Spool as Spool
-from ._store import INTERVAL_STEP as INTERVAL_STEP, memory_limit as memory_limit
+from ._store import memory_limit as memory_limit
 from ._values import known as known, vmap_n as vmap_n, widened as widened

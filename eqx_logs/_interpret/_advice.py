@@ -2,10 +2,11 @@
 `interval` numbers per call (warned at the user's call)."""
 
 from .._policy import Policy, unmatched
+from .._scope import INTERVAL_STEP
 from .._warn import warn_user
 from ._keys import site_list
 from ._plan import Plan
-from ._store import INTERVAL_STEP, Store
+from ._store import Store
 
 
 def warn_unmatched(plan: Plan, who: str, store: Store | None = None) -> None:

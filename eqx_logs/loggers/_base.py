@@ -22,6 +22,7 @@ from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._sink import AbstractSink, Backend, Sink
 from ._state import LoggerState, _run_index
+from ._steps import AtStep, Gate, StepArg, Unlogged, Watched
 from ._transfer import _nbytes, _one_process, _Packing
 from ._writer import ON_FULL, STALL_TIMEOUT
 
@@ -282,6 +283,7 @@ class AbstractLogger(eqx.Module):
         key: PRNGKeyArray | None = None,
         across: str | tuple[str, ...] | None = None,
         first_nonfinite: bool | None = None,
+        step: str | None = None,
     ) -> Callable[..., _T]:
         """`fun` compiled as by `eqx.filter_jit(fun)`, spooled, its logs written to `state`'s
         run: the form for the training loop that calls one compiled step per Python
@@ -333,10 +335,19 @@ class AbstractLogger(eqx.Module):
             across=across,
             first_nonfinite=first_nonfinite,
         )
-        spooled = _spool(fun, policy=policy, keep=keep)
-        jitted = Jit(build(_Packing, spooled), donate)
+        if step is None:
+            spooled = _spool(fun, policy=policy, keep=keep)
+            jitted, skip, gate = Jit(build(_Packing, spooled), donate), None, None
+        else:
+            at = StepArg.of(fun, step, "logger.jit")
+            spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
+            # (`first_nonfinite` looks at every event, those an interval skips too)
+            skips = policy.interval > 1 and not policy.first_nonfinite
+            gate = Gate.of(fun, at, policy.interval if skips else 1, "logger.jit")
+            jitted = Jit(build_wrapper(Watched, build(_Packing, spooled), gate), donate, step=at)
+            skip = Jit(build_wrapper(Unlogged, fun), donate, step=at) if skips else None
         feed = self._sink.feed(state)
-        return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed)
+        return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, gate)
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
@@ -495,6 +506,10 @@ class _LoggerJitted(eqx.Module):
     jitted: Jit  # `spooled`, its logs packed, compiled (as by `eqx.filter_jit`, without its wait)
     state: LoggerState
     feed: Callable[[Packed], None]  # hands the packed logs of a call to the writer thread
+    # with `step=`: the function without its logs, compiled, for the calls whose step `gate`
+    # says keeps no event (see `_steps.py`)
+    skip: Jit | None
+    gate: Gate | None
 
     __hash__ = object.__hash__
     __eq__ = object.__eq__
@@ -513,6 +528,9 @@ class _LoggerJitted(eqx.Module):
         if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
             out, logs = self.spooled(*args, **kwargs)
             _write(self.logger, logs, self.state)
+        elif self.gate is not None and self.gate.skips(args, kwargs):
+            assert self.skip is not None
+            return self.skip(*args, **kwargs)
         else:
             out, packed = self.jitted(*args, **kwargs)
             if _one_process():

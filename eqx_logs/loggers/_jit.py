@@ -22,12 +22,15 @@ import jax.tree_util as jtu
 
 from .. import _nnx
 from .._retrace import OPEN, finish
+from ._steps import StepArg
 
 Donate = Literal["all", "all-except-first", "warn", "none"]
 
 
 class _Static:
-    """A pytree without leaves: what a trace found in the output that is not an array."""
+    """A pytree without leaves: what a trace found in the output that is not an array. (Its
+    unflattening must return a `_Static`: `jax.jit`'s fast path, in C++, is left for a
+    slower one, ten times slower, where it returns another object.)"""
 
     __slots__ = ("value",)
 
@@ -89,13 +92,23 @@ class Jit:
     """`fun` compiled as by `eqx.filter_jit(fun, donate=donate)`, called without waiting
     for the device. (`fun`'s own arrays are passed to each call, never donated.)"""
 
-    def __init__(self, fun: Callable, donate: Donate = "none", *, first: int = 1):
+    def __init__(
+        self,
+        fun: Callable,
+        donate: Donate = "none",
+        *,
+        first: int = 1,
+        step: StepArg | None = None,
+    ):
         if donate not in ("all", "all-except-first", "warn", "none"):
             raise ValueError(
                 f"logger.jit(donate={donate!r}): one of 'all', 'all-except-first', 'warn', "
                 "'none' (as for `eqx.filter_jit`)."
             )
         self.fun, self.donate, self._first = fun, donate, first
+        # the step argument (`logger.jit(..., step=...)`): passed traced whatever it is (a
+        # Python int too: a new step compiles nothing), after the other arrays
+        self._step = step
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split, self._fun_arrays = _split(leaves)
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
@@ -143,7 +156,8 @@ class Jit:
         carry = _nnx.carry(self.fun, args, kwargs)
         assert carry is not None
         # (the state comes first: `all-except-first` keeps it and the first argument)
-        jitted = Jit(carry.fun, self.donate, first=2)
+        step = None if self._step is None else self._step.shifted(1)
+        jitted = Jit(carry.fun, self.donate, first=2, step=step)
         if method == "lower":
             return jitted.lower(*carry.args, **carry.kwargs)
         out, after = jitted(*carry.args, **carry.kwargs)
@@ -155,8 +169,12 @@ class Jit:
             return _CARRIED, []
         if kwargs:  # as `eqx.filter_jit`: `f(x=1)` is `f(1)`; `donate`'s first: `f`'s first
             args, kwargs = self._bind(args, kwargs)
+        if self._step is not None:
+            step, args, kwargs = self._step.take(args, kwargs, "logger.jit")
         leaves, treedef = jtu.tree_flatten((args, kwargs))
         split, arrays = _split(leaves)
+        if self._step is not None:
+            arrays.append(step)
         key = (treedef, split)
         try:
             jitted = self._compiled.get(key)
@@ -180,9 +198,15 @@ class Jit:
         fun_def, fun_split = self._fun_def, self._fun_split
         n_fun = len(self._fun_arrays)
 
+        step = self._step
+
         def call(*arrays):
             fun = jtu.tree_unflatten(fun_def, _merge(*fun_split, arrays[:n_fun]))
-            args, kwargs = jtu.tree_unflatten(treedef, _merge(*split, arrays[n_fun:]))
+            if step is None:
+                args, kwargs = jtu.tree_unflatten(treedef, _merge(*split, arrays[n_fun:]))
+            else:
+                args, kwargs = jtu.tree_unflatten(treedef, _merge(*split, arrays[n_fun:-1]))
+                args, kwargs = step.put(args, kwargs, arrays[-1])
             leaves, out_def = jtu.tree_flatten(fun(*args, **kwargs))
             out_split, values = _split(leaves)
             return values, _Static((out_def, out_split))
