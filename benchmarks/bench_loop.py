@@ -174,7 +174,7 @@ def loops(width: int, depth: int, path: str):
             run_with(lambda lg, s: lg.jit(step, s, interval=INTERVAL)),
             INTERVAL,
         ),
-        "logger.jit, nolog": (run_with(lambda lg, s: lg.jit(unlogged, s)), None),
+        "logger.jit, nolog": (run_with(lambda lg, s: lg.jit(unlogged, s, step="i"), True), None),
         'logger.jit(step="i")': (run_with(lambda lg, s: lg.jit(step, s, step="i"), True), 1),
     }
     return plains, by_hand, forms, losses

@@ -50,9 +50,9 @@ class ArrayLogger(AbstractLogger):
         from eqx_logs.loggers import ArrayLogger, read_arrays
 
         with ArrayLogger("arrays") as logger:
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         losses = [event["value"] for event in read_arrays("arrays")["loss"]]  # steps 0, 10, 20
         ```
     """

@@ -22,7 +22,7 @@ from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._sink import AbstractSink, Backend, Sink
 from ._state import LoggerState, _run_index
-from ._steps import AtStep, Gate, StepArg, Unlogged, Watched
+from ._steps import AtStep, Gate, Skipping, StepArg
 from ._transfer import _nbytes, _one_process, _Packing
 from ._writer import ON_FULL, STALL_TIMEOUT
 
@@ -107,9 +107,10 @@ class AbstractLogger(eqx.Module):
     !!! example
 
         The training loop that calls one compiled step per Python iteration: `logger.jit`
-        compiles the step, its logs kept every `interval` steps; the step number is an array
-        (`jnp.int32(i)`), so that one compiled step serves every iteration (a Python `int`
-        would be compiled in, a new step each time). Every backend is used this way.
+        compiles the step, its logs kept every `interval` steps. `step="step"` names the
+        step parameter: its Python int is passed traced (one compiled step serves every
+        iteration), and the steps the interval skips run without their logs, picked on the
+        host. Every backend is used this way.
 
         ```python
         from eqx_logs.loggers import JsonlLogger
@@ -127,9 +128,9 @@ class AbstractLogger(eqx.Module):
 
 
         with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         ```
     """
 
@@ -290,10 +291,25 @@ class AbstractLogger(eqx.Module):
         iteration.
 
         ```python
-        step = logger.jit(train_step, logger.init(), interval=100)
+        step = logger.jit(train_step, logger.init(), interval=100, step="i")
         for i in range(steps):
-            model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+            model, opt_state = step(model, opt_state, x, y, i)
         ```
+
+        `step` names the parameter of `fun` that is the training step. Its argument is then
+        passed to the compiled step as a traced scalar, whatever it is (a Python int
+        compiles nothing new), and it is the step of every event inside `fun` logged
+        without one of its own (as in `eqx_logs.scope(step=i)`). With `interval=k`, a call
+        whose step is a Python int that is not a multiple of k runs a second compiled step:
+        `fun` with every log removed (nothing computed for logs, nothing returned, nothing
+        for the writer). That holds once the first trace of `fun` found every event at the
+        call's step (logged without `step=`, or with `step=` that very argument); an event
+        at another step (`step=2 * i`, a step passed into an inner `jax.jit`) is warned
+        about, and then every call runs its logs, gated on the device, as without `step=`.
+        The written rows are the same either way. A step given as a JAX array is never read
+        on the host (reading it could wait for the device): every call runs its logs, gated
+        on the device. With `first_nonfinite`, every call runs its logs (the search looks
+        at every event).
 
         The compiled step holds no host callback and no effect, so each call takes JAX's
         fast dispatch path, and returns once the step is dispatched, as a `jax.jit` call
@@ -341,11 +357,13 @@ class AbstractLogger(eqx.Module):
         else:
             at = StepArg.of(fun, step, "logger.jit")
             spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
+            packing = build(_Packing, spooled)
+            jitted, skip, gate = Jit(packing, donate, step=at), None, None
             # (`first_nonfinite` looks at every event, those an interval skips too)
-            skips = policy.interval > 1 and not policy.first_nonfinite
-            gate = Gate.of(fun, at, policy.interval if skips else 1, "logger.jit")
-            jitted = Jit(build_wrapper(Watched, build(_Packing, spooled), gate), donate, step=at)
-            skip = Jit(build_wrapper(Unlogged, fun), donate, step=at) if skips else None
+            if policy.interval > 1 and not policy.first_nonfinite:
+                gate = Gate(at, policy.interval)
+                skipping = build_wrapper(Skipping, packing, at, policy.interval)
+                skip = Jit(skipping, donate, step=at)
         feed = self._sink.feed(state)
         return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, gate)
 
@@ -506,8 +524,9 @@ class _LoggerJitted(eqx.Module):
     jitted: Jit  # `spooled`, its logs packed, compiled (as by `eqx.filter_jit`, without its wait)
     state: LoggerState
     feed: Callable[[Packed], None]  # hands the packed logs of a call to the writer thread
-    # with `step=`: the function without its logs, compiled, for the calls whose step `gate`
-    # says keeps no event (see `_steps.py`)
+    # with `step=` and an interval: the step for the calls whose step `gate` says the
+    # interval skips, without its logs where the trace finds that none can be kept (see
+    # `_steps.py`)
     skip: Jit | None
     gate: Gate | None
 
@@ -528,11 +547,14 @@ class _LoggerJitted(eqx.Module):
         if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
             out, logs = self.spooled(*args, **kwargs)
             _write(self.logger, logs, self.state)
-        elif self.gate is not None and self.gate.skips(args, kwargs):
-            assert self.skip is not None
-            return self.skip(*args, **kwargs)
         else:
-            out, packed = self.jitted(*args, **kwargs)
+            if self.gate is not None and self.gate.skips(args, kwargs):
+                assert self.skip is not None
+                out, packed = self.skip(*args, **kwargs)
+                if packed is None:  # (every event at the call's step: none kept here)
+                    return out
+            else:
+                out, packed = self.jitted(*args, **kwargs)
             if _one_process():
                 self.feed(packed)
             else:  # (arrays of many processes, maybe)

@@ -119,9 +119,9 @@ class ConsoleLogger(AbstractLogger):
         from eqx_logs.loggers import ConsoleLogger
 
         with ConsoleLogger() as logger:
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         ```
     """
 

@@ -62,9 +62,9 @@ class MLflowLogger(AbstractLogger):
         from eqx_logs.loggers import MLflowLogger
 
         with MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1}) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         # mlflow ui --backend-store-uri sqlite:///mlflow.db
         ```
     """

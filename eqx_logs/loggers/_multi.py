@@ -45,9 +45,9 @@ class MultiLogger(AbstractLogger):
         from eqx_logs.loggers import ConsoleLogger, JsonlLogger, MultiLogger
 
         with MultiLogger(ConsoleLogger(), JsonlLogger("run.jsonl")) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         ```
     """
 

@@ -6,26 +6,28 @@ per-step loop (one compiled call per step) whose events all carry the call's ste
 any other step keeps nothing: its logs are computed, gated off on the device and their counts
 read back, for nothing. Told which argument is the step, and given it as a Python int,
 `logger.jit` picks on the host between two compiled programs: the step with its logs (kept
-steps) and the step with every log removed (the others: nothing computed for logs, nothing
-returned, nothing read back). The step is passed to both as a traced scalar, so a new value
-compiles nothing.
+steps) and the step for skipped steps (`Skipping`). The step is passed to both as a traced
+scalar, so a new value compiles nothing.
 
-Whether "every event carries the call's step" holds is found when the step with its logs is
-traced (`_scope.StepWatch`): every event whose step is not the very traced argument (a `log`
-with a `step=` of its own, a custom rule traced apart) is noted, and then every call runs
-the step with its logs, as without `step=`, with a warning naming where.
+The program for skipped steps is the same function, traced under a `_scope.StepWatch`: where
+every event carries the very traced step argument (logged without `step=` inside the call's
+`scope`, or with `step=` that argument), none can be kept at such a call, and the program
+returns the function's output alone: the logs' computation is dead code, which XLA removes
+(nothing computed, returned or read back). Where some event does not (its own `step=2 * i`, a
+step passed into an inner `jax.jit`, a custom rule traced apart, which sees no scope), that
+program returns the logs too, gated on the device as without `step=`, and a warning names the
+events. This is decided at each trace, so for each compiled program: a new static argument or
+shape that turns such a log on is looked at before any call of it is skipped.
 """
 
 import inspect
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
 import numpy as np
 
-from .._retrace import fun_key
-from .._scope import call_step, tracing_context, watching
+from .._scope import call_step, watching
 from .._warn import warn_user
 
 _MISSING = object()
@@ -104,63 +106,23 @@ def host_int(value: Any) -> bool:
 
 
 class Gate:
-    """Which calls of a `logger.jit(..., step=..., interval=k)` run without their logs: those
-    whose step is a Python int not a multiple of k, once the step with its logs has been
-    traced and found to log at the call's step only (`exact`).
+    """Which calls of a `logger.jit(..., step=..., interval=k)` run the program for skipped
+    steps (`Skipping`): those whose step is a Python int not a multiple of k."""
 
-    One per function, step and interval (`Gate.of`): equal functions share their compiled
-    steps (a `logger.jit` made again each epoch compiles nothing), so they share what the
-    trace found too."""
+    __slots__ = ("step", "interval")
 
-    __slots__ = ("step", "interval", "exact", "where")
-
-    def __init__(self, step: StepArg, interval: int, where: str):
-        self.step, self.interval, self.where = step, interval, where
-        self.exact: bool | None = None  # None: not traced yet (the first call runs the logs)
-
-    @classmethod
-    def of(cls, fun: Callable, step: StepArg, interval: int, where: str) -> "Gate":
-        key = (fun_key(fun), step.name, step.index, interval, where)
-        try:
-            _GATES.move_to_end(key)
-        except TypeError:  # (a function that cannot be hashed: its own)
-            return cls(step, interval, where)
-        except KeyError:
-            _GATES[key] = cls(step, interval, where)
-            if len(_GATES) > 64:
-                _GATES.popitem(last=False)
-        return _GATES[key]
+    def __init__(self, step: StepArg, interval: int):
+        self.step, self.interval = step, interval
 
     def skips(self, args: tuple, kwargs: dict) -> bool:
-        if not self.exact:
-            return False
         value = self.step.peek(args, kwargs)
         return host_int(value) and value % self.interval != 0
-
-    def traced(self, others: list[str]) -> None:
-        """What a trace of the step with its logs found: the events not at the call's step."""
-        if others and self.exact is not False and self.interval > 1:
-            sites = sorted(set(others))
-            more = f" (and {len(sites) - 3} more)" if len(sites) > 3 else ""
-            warn_user(
-                f"{self.where}(step={self.step.name!r}, interval={self.interval}): the events "
-                f"logged at {'; '.join(sites[:3])}{more} carry a step other than the call's "
-                f"{self.step.name!r} (a `step=` of their own, or none: a custom derivative "
-                "rule sees no scope), so every call runs the step with its logs, gated on "
-                "the device, rather than skipping them between intervals. To skip them, "
-                f"log without `step=` (the call's {self.step.name!r} is the step of every "
-                f"event without one) or with `step={self.step.name}` itself."
-            )
-        self.exact = not others if self.exact is None else self.exact and not others
-
-
-_GATES: "OrderedDict[Any, Gate]" = OrderedDict()
 
 
 class AtStep(eqx.Module):
     """`fun` called with its step argument as the step of every event inside it without one
-    of its own (a `scope(step=...)` around it), and with every event's step noted for the
-    `Gate` (see `Watched`)."""
+    of its own (a `scope(step=...)` around it), which an enclosing `watching` compares every
+    event's step with (see `Skipping`)."""
 
     fun: Callable
     step: StepArg = eqx.field(static=True)
@@ -180,12 +142,16 @@ class AtStep(eqx.Module):
             return self.fun(*args, **kwargs)
 
 
-class Watched(eqx.Module):
-    """`fun` (the packed, spooled step), telling `gate` when traced whether every event it
-    logs carries the call's step."""
+class Skipping(eqx.Module):
+    """`fun` (the packed, spooled step) for a call whose step the interval skips: its output
+    alone, where every event it logs carries the call's step (so none is kept: the logs'
+    computation is dead code, which XLA removes), else its output and its logs, gated on the
+    device (with a warning naming the events at other steps). Decided at each trace, so for
+    each compiled program (a new static argument, a new shape: a new trace)."""
 
     fun: Callable
-    gate: Gate = eqx.field(static=True)
+    step: StepArg = eqx.field(static=True)
+    interval: int = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
@@ -193,20 +159,18 @@ class Watched(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         with watching() as watch:
-            out = self.fun(*args, **kwargs)
-        self.gate.traced(watch.others)
-        return out
-
-
-class Unlogged(eqx.Module):
-    """`fun` with every log inside it removed (`eqx_logs.nolog`, as a pytree of `fun`)."""
-
-    fun: Callable
-
-    @property
-    def __wrapped__(self):
-        return self.fun
-
-    def __call__(self, *args, **kwargs):
-        with tracing_context(enabled=False):
-            return self.fun(*args, **kwargs)
+            out, packed = self.fun(*args, **kwargs)
+        if not watch.others:
+            return out, None
+        sites = sorted(set(watch.others))
+        more = f" (and {len(sites) - 3} more)" if len(sites) > 3 else ""
+        name = self.step.name
+        warn_user(
+            f"logger.jit(step={name!r}, interval={self.interval}): the events logged at "
+            f"{'; '.join(sites[:3])}{more} carry a step other than the call's {name!r} (a "
+            "`step=` of their own, or none: a custom derivative rule sees no scope), so the "
+            "calls between intervals run the step with its logs, gated on the device, "
+            f"rather than without them. To skip them, log without `step=` (the call's "
+            f"{name!r} is the step of every event without one) or with `step={name}` itself."
+        )
+        return out, packed

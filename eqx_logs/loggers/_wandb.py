@@ -33,9 +33,9 @@ class WandbLogger(AbstractLogger):
         from eqx_logs.loggers import WandbLogger
 
         with WandbLogger(project="demo", mode="offline", config={"lr": 0.1}) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10)
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
             for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+                model, opt_state = step(model, opt_state, x, y, i)
         # wandb sync wandb/offline-run-*
         ```
     """
