@@ -2,9 +2,12 @@ import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import IO, Any
 
 import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
 
 from ._base import AbstractLogger
 from ._host import Record, process_path, to_python
@@ -13,9 +16,11 @@ from ._host import Record, process_path, to_python
 class JsonlLogger(AbstractLogger):
     """One JSON line per event: `{"run": 0, "key": ..., "value": ..., "step": ...}` (spooled
     stacked keys give a line per real event; other reductions one line per key and call).
-    Appends to an existing file. Every write is flushed to the operating system, so a crash of
-    the process loses only events not yet written; the file is also fsynced at most every
-    `fsync_every` seconds and on close, so a crash of the machine loses at most that long.
+    Appends to an existing file. Every batch of writes is flushed to the operating system
+    (the writes the writer thread takes together, the steps of a `logger.jit` loop queued
+    while it wrote the last batch; one write alone otherwise), so a crash of the process
+    loses only events not yet written; the file is also fsynced at most every `fsync_every`
+    seconds and on close, so a crash of the machine loses at most that long.
     NaN and infinities are written as the strings `"nan"`, `"inf"` and `"-inf"` (the file is
     strict JSON); read it back with [`eqx_logs.loggers.read_jsonl`][], which makes them floats.
 
@@ -26,7 +31,7 @@ class JsonlLogger(AbstractLogger):
     **Arguments:**
 
     - `path`: the file; its directory is created.
-    - `fsync_every`: seconds between fsyncs (0: after every write).
+    - `fsync_every`: seconds between fsyncs (0: after every batch of writes).
 
     !!! example
 
@@ -62,8 +67,38 @@ class JsonlLogger(AbstractLogger):
 
     def _write(self, handle: tuple[IO[str], list[float]], run: int, records: list[Record]):
         file, synced = handle
-        file.write("".join(json.dumps({"run": run, **to_python(r)}) + "\n" for r in records))
+        file.write(lines(run, records))
         file.flush()
+        self._synced(file, synced)
+
+    def _write_many(
+        self, handle: tuple[IO[str], list[float]], run: int, writes: list[list[Record]]
+    ) -> None:
+        """`_write` of each of `writes` (the records of several writes of run `run`, in
+        order): one write to the file, all or nothing. Where it fails part way (a full
+        disk), the file is cut back to where it ended before, so that every write of the
+        batch is lost whole (the writer counts them all) and none is in the file."""
+        file, synced = handle
+        file.flush()  # (nothing is left in its buffer: every write is flushed)
+        data = "".join([lines(run, records) for records in writes])
+        if os.linesep != "\n":  # (as the text file writes its lines)
+            data = data.replace("\n", os.linesep)
+        fd = file.fileno()
+        start = os.lseek(fd, 0, os.SEEK_END)  # (appending: every write goes to the end)
+        view = memoryview(data.encode())
+        try:
+            while view:
+                view = view[os.write(fd, view) :]
+        except BaseException:
+            try:
+                os.ftruncate(fd, start)
+            except OSError:  # (a line cut short is removed when the file is opened next)
+                pass
+            raise
+        self._synced(file, synced)
+
+    def _synced(self, file: IO[str], synced: list[float]) -> None:
+        """Fsync `file` if the last fsync was `fsync_every` seconds ago or more."""
         if time.monotonic() - synced[0] >= self.fsync_every:
             os.fsync(file.fileno())
             synced[0] = time.monotonic()
@@ -73,6 +108,72 @@ class JsonlLogger(AbstractLogger):
         file.flush()
         os.fsync(file.fileno())
         file.close()
+
+
+def lines(run: int, records: list[Record]) -> str:
+    """The lines of `records` of run `run`: `json.dumps({"run": run, **to_python(r)}) + "\\n"`
+    for each, joined. Numpy scalars and strings (the common fields: a key, a scalar value, its
+    steps) are formatted here, as `json.dumps` of `to_python` of them would be (`float.__repr__`,
+    `int.__repr__`, `true`/`false`, `"nan"`, `"inf"`, `"-inf"`), at a tenth of its cost; any
+    other value by `json.dumps`, which writes a value inside an object as it writes it alone."""
+    head = f'{{"run": {int.__repr__(run)}' if type(run) is int else None
+    out = []
+    for record in records:
+        if head is None or "run" in record:  # (a field named "run" would replace the run's)
+            out.append(json.dumps({"run": run, **to_python(record)}) + "\n")
+            continue
+        parts = [head]
+        for name, value in record.items():
+            parts.append(_NAMES.get(name) or _name(name))
+            encode = _ENCODE.get(type(value))
+            parts.append(json.dumps(to_python(value)) if encode is None else encode(value))
+        parts.append("}\n")
+        out.append("".join(parts))
+    return "".join(out)
+
+
+_NAMES: dict[str, str] = {}  # a field's name -> `, "name": `
+_STRINGS: dict[str, str] = {}  # a string value (a key) -> as JSON
+_CACHED = 4096  # names and strings kept at most (each cache starts anew when full)
+
+
+def _name(name: str) -> str:
+    if len(_NAMES) >= _CACHED:
+        _NAMES.clear()
+    text = _NAMES[name] = f", {json.dumps(name)}: "
+    return text
+
+
+def _string(value: str) -> str:
+    text = _STRINGS.get(value)
+    if text is None:
+        if len(_STRINGS) >= _CACHED:
+            _STRINGS.clear()
+        text = _STRINGS[value] = json.dumps(value)
+    return text
+
+
+def _float(value: Any) -> str:
+    x = float(value)  # (exact for every float type here, as `.item()` is)
+    return float.__repr__(x) if x - x == 0 else f'"{float.__repr__(x)}"'  # nan, inf, -inf
+
+
+def _int(value: Any) -> str:
+    return int.__repr__(int(value))
+
+
+def _bool(value: Any) -> str:
+    return "true" if value else "false"
+
+
+# a value's type -> its JSON (what `json.dumps(to_python(value))` writes); other types: that
+_ENCODE: dict[type, Callable[[Any], str]] = {
+    str: _string,
+    np.bool_: _bool,
+    **{t: _int for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16)},
+    **{t: _int for t in (np.uint32, np.uint64)},
+    **{t: _float for t in (np.float16, np.float32, np.float64, jnp.bfloat16)},
+}
 
 
 _CONFIG_WRITTEN = "jsonl-config-written"  # `Sink.memo`'s key: the files given the config

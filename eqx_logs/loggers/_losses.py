@@ -91,14 +91,14 @@ class Losses:
         self.error_lost += 1
         self.counts["failed"] += 1
 
-    def fail(self, error: BaseException, *, write: bool) -> None:
-        """The backend raised `error`: in a write, or (`write=False`) in closing its runs."""
+    def fail(self, error: BaseException, *, writes: int) -> None:
+        """The backend raised `error`: in `writes` writes (taken together), or (`writes=0`)
+        in closing its runs."""
         if self.error is None:
             self.error = error
             self.error_lost = 0
-        if write:
-            self.error_lost += 1
-            self.counts["failed"] += 1
+        self.error_lost += writes
+        self.counts["failed"] += writes
 
     def drop_full(self, name: str, pending_bytes: int, max_pending_bytes: int) -> str | None:
         """A write dropped for a full queue (`on_full="drop"`). The message to warn with, the

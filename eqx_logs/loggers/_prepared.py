@@ -8,10 +8,22 @@ from typing import Any
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """A write whose item is first made ready (`Writer.submit(..., ready=)`)."""
+    """A write whose item is first made ready (`Writer.submit(..., ready=)`), and where it
+    has one, the write of several at once (`Writer.submit(..., many=)`)."""
 
     write: Callable[[Any], None]
     ready: Callable[[list[Any]], list[Any]]
+    many: "Many | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Many:
+    """The write of several items made ready (`Writer.submit(..., many=)`): `write(values)`
+    writes, in order and at once, what `ready` made of items queued in a row whose
+    `joins(value)` is the same and not None (the run they write to, say)."""
+
+    joins: Callable[[Any], Any]
+    write: Callable[[list[Any]], None]
 
 
 UNSET = object()
@@ -24,12 +36,14 @@ class _Failed:
     error: BaseException
 
 
-@dataclasses.dataclass
 class Slot:
-    """The item of a `Prepared` write, and (once made) what `ready` made of it."""
+    """The item of a `Prepared` write, and (once made) what `ready` made of it. (A plain
+    class: one is made per submitted write.)"""
 
-    item: Any
-    value: Any = UNSET
+    __slots__ = ("item", "value")
+
+    def __init__(self, item: Any):
+        self.item, self.value = item, UNSET
 
     def get(self) -> Any:
         if isinstance(self.value, _Failed):
@@ -58,6 +72,17 @@ def batch(write: Any, item: Any, queued: Iterable[tuple[Any, ...]]) -> list[Slot
             break
         slots.append(slot)
     return slots
+
+
+def joins(write: Any, item: Any) -> Any:
+    """What a queued write made ready joins (`Many.joins`), or None: it is written alone (its
+    write has no `Many`, or it is not made ready, or made as `NOTHING`, or failed)."""
+    if not isinstance(write, Prepared) or write.many is None:
+        return None
+    value = item.value
+    if value is UNSET or value is NOTHING or isinstance(value, _Failed):
+        return None
+    return write.many.joins(value)
 
 
 def fill(ready: Callable[[list[Any]], list[Any]], slots: list[Slot]) -> list[Any]:

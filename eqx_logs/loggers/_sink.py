@@ -20,6 +20,7 @@ import numpy as np
 from .._logdict import LogDict
 from ._host import Record, flat_items, host_array, records, to_host
 from ._packed import Layout, Packed, stand_in
+from ._prepared import Many
 from ._rows import HostRows
 from ._state import LoggerState
 from ._transfer import _fetch, _leaves, _nbytes
@@ -46,7 +47,9 @@ class SubmitLogs(Protocol):
 class Backend:
     """What a sink calls of its logger: the backend's methods (`open`, `write`, `close`, run
     on the writer thread; `unstorable`, on the caller's), bound through the logger's class,
-    and the writer's policy."""
+    and the writer's policy. `write_many(handle, run, [records, ...])`, where the backend has
+    one (`_write_many`), writes the records of several writes of a run, in order, at once;
+    None: found by `bind` (`write_many_of`)."""
 
     name: str  # the logger's class, for messages
     on_full: Literal["block", "drop"]
@@ -56,6 +59,7 @@ class Backend:
     close: Callable[[Any], None]
     unstorable: Callable[[np.ndarray], str | None] | None  # None: the backend stores any leaf
     submit_logs: SubmitLogs | None  # the logger's own `_submit_logs`, where it overrides it
+    write_many: Callable[[Any, int, list[list[Record]]], None] | None = None
 
 
 class AbstractSink(abc.ABC):
@@ -143,12 +147,19 @@ class Sink(AbstractSink):
         self.handles: dict[int, Any] = {}
         self.memo = {}
         self.submit = self.submit_logs
+        self.many: Many | None = None  # (set by `bind`)
         self.writer = Writer("logger", finish=self._finish)
         # the writer thread's fetch of the writes queued in a row (`Writer.submit`'s `ready`)
         self._ready = functools.partial(_fetch, opened=self.handles)
 
     def bind(self, backend: Backend) -> None:
+        if backend.write_many is None:
+            backend = dataclasses.replace(backend, write_many=write_many_of(backend.write))
         self.backend, self.submit = backend, backend.submit_logs or self.submit_logs
+        # the writes of a run cut from their buffers go to the backend at once, where it
+        # takes them so
+        has_many = backend.write_many is not None
+        self.many = Many(_joins, self._write_logs_many) if has_many else None
         writer = self.writer  # (it follows the logger's policy)
         writer.name, writer.on_full = backend.name, backend.on_full
         writer.stall_timeout = backend.stall_timeout
@@ -177,7 +188,8 @@ class Sink(AbstractSink):
         if size is None:
             size = _nbytes(logs)
         drop = tuple(rejected) if isinstance(logs, Packed) else ()
-        self.writer.submit(self._write_logs, (state.run, logs, drop), size, ready=self._ready)
+        item = (state.run, logs, drop)
+        self.writer.submit(self._write_logs, item, size, ready=self._ready, many=self.many)
         self.reject(rejected)
 
     def submit_rows(self, run: int, rows: list[Record]) -> None:
@@ -266,6 +278,24 @@ class Sink(AbstractSink):
                         NonfiniteWarning,
                     )
 
+    def _write_logs_many(self, items: list[tuple[np.ndarray, HostRows]]) -> None:
+        """`_write_logs` of each of `items` (fetched together, of one run, their records
+        cut from their buffers: see `_joins`), in order, through the backend's `write_many`
+        at once."""
+        run, notify = int(items[0][0]), self.writer.notify
+        writes = []
+        for _, logs in items:
+            rows = logs.records(notify)
+            if rows or (not writes and run not in self.handles):  # (a write opens its run)
+                writes.append(rows)
+        if not writes:
+            return
+        if run not in self.handles:
+            self.handles[run] = self.backend.open(run)
+        write_many = self.backend.write_many
+        assert write_many is not None
+        write_many(self.handles[run], run, writes)
+
     def _write_run(self, item: tuple[int, list[Record]]) -> None:
         run, rows = item
         handles = self.handles
@@ -281,17 +311,51 @@ class Sink(AbstractSink):
             self.backend.close(handle)
 
 
+def _joins(item: Any) -> int | None:
+    """`Many.joins` of a fetched `logger.jit` write (`_fetch`): its run where its records
+    are cut from its buffers (`HostRows`, one lane); None otherwise (written alone)."""
+    runs, logs = item
+    return int(runs) if isinstance(logs, HostRows) else None
+
+
+def write_many_of(write: Callable[..., None]) -> Callable[..., None] | None:
+    """The `_write_many` of the logger whose `_write` is `write` (`functools.partial(
+    cls._write, logger)`, as `AbstractLogger` binds it), where its class defines one no
+    higher than its `_write`: a subclass that overrides `_write` alone gets every write
+    through it. None where there is none."""
+    if not isinstance(write, functools.partial) or len(write.args) != 1:
+        return None
+    logger = write.args[0]
+    mro = type(logger).__mro__
+    owner = next((c for c in mro if "_write_many" in vars(c)), None)
+    if owner is None or not issubclass(owner, next(c for c in mro if "_write" in vars(c))):
+        return None
+    return functools.partial(owner._write_many, logger)
+
+
 class Feed:
     """Hands a `logger.jit` step's packed logs to the writer thread (in a single-process run),
     every call: what is the same for each call is worked out once (the run indices on the
     host, the keys the backend cannot store, per layout). A plain class: it runs once per
     training step, and its cost is the loop's."""
 
-    __slots__ = ("sink", "state", "writer", "write", "ready", "runs", "layout", "rejected", "drop")
+    __slots__ = (
+        "sink",
+        "state",
+        "writer",
+        "write",
+        "ready",
+        "many",
+        "runs",
+        "layout",
+        "rejected",
+        "drop",
+    )
 
     def __init__(self, sink: Sink, state: LoggerState):
         self.sink, self.state = sink, state
         self.writer, self.write, self.ready = sink.writer, sink._write_logs, sink._ready
+        self.many = sink.many
         self.runs: np.ndarray | None = None
         self.layout: Layout | None = None
         self.rejected: dict[str, str] = {}
@@ -306,6 +370,6 @@ class Feed:
             self.rejected = self.sink.rejected_layout(packed.layout)
             self.layout, self.drop = packed.layout, tuple(self.rejected)
         item = (self.runs, packed, self.drop)
-        writer.submit(self.write, item, packed.layout.nbytes, ready=self.ready)
+        writer.submit(self.write, item, packed.layout.nbytes, ready=self.ready, many=self.many)
         if self.rejected:
             self.sink.reject(self.rejected)

@@ -15,7 +15,7 @@ from ._losses import (
     WriterError as WriterError,
     WriterWarning as WriterWarning,
 )
-from ._prepared import NOTHING, Prepared, Slot, batch, done, fill, unready
+from ._prepared import NOTHING, Many, Prepared, Slot, batch, done, fill, joins, unready
 from ._stall import Watchdog
 
 _live: "weakref.WeakSet[Writer]" = weakref.WeakSet()
@@ -83,7 +83,7 @@ class Writer:
         self._done = 0
         self._thread: threading.Thread | None = None  # one at a time, set under the lock
         self._closed = False  # the thread exits once idle
-        self._writing = False  # the item in the backend now is a write (not `finish`)
+        self._writing = 0  # the writes in the backend now (0: none, or `finish`)
         self._hurry = 0  # callers waiting for everything to be written: no lingering
         self._notices: list[tuple[str, type[Warning]]] = []
         self._losses = Losses()  # what was not written; the backend's error
@@ -108,6 +108,7 @@ class Writer:
         item: Any,
         size: int = 0,
         ready: Callable[[list[Any]], list[Any]] | None = None,
+        many: Many | None = None,
     ) -> None:
         """Queue `write(item)`; `size` is roughly how many bytes `item` holds. Safe to call
         from any thread (JAX runs host callbacks on its own threads). Waits for room only
@@ -118,12 +119,18 @@ class Writer:
         `ready` at once (one transfer from the device for all of them). The items it made
         ready are dropped by the next `submit` (or `flush`, `close`), on the caller's thread:
         freeing device buffers on the writer thread contends with the thread that allocated
-        them (the training loop's) for the allocator's locks."""
+        them (the training loop's) for the allocator's locks.
+
+        With `many` too (the same for every submit of `write` and `ready`), the items made
+        ready in a row that join (`Many.joins`) are written, in order, by one
+        `many.write(list of what ready made of them)` rather than a `write` each; if it
+        raises, every one of them is lost (counted)."""
         self._drop_released()
         if ready is not None:
             prepared = self._prepared.get((write, ready))
             if prepared is None:
-                prepared = self._prepared.setdefault((write, ready), Prepared(write, ready))
+                prepared = Prepared(write, ready, many)
+                prepared = self._prepared.setdefault((write, ready), prepared)
             write, item = prepared, Slot(item)
         self._put(write, item, size, always=False)
 
@@ -202,15 +209,23 @@ class Writer:
                         self._thread = None
                     return
                 write, item, size, always = self._items.popleft()
-                self._writing = not always
+                self._writing = int(not always)
                 slots = batch(write, item, self._items)
+            more: list[tuple[Any, ...]] = []  # queued items written with this one
             try:
                 if isinstance(write, Prepared):
                     if slots and self._losses.error is None:
                         # waiting for the device is not the backend's time: no stall clock
                         with self._watchdog.paused(self._changed):
                             self._released.append(fill(write.ready, slots))
-                    write, item = write.write, item.get()
+                    if (joined := joins(write, item)) is not None:
+                        with self._changed:
+                            more = self._joining(write, joined)
+                    if more:  # one write of them all: if it fails, each of them is lost
+                        values = [item.value] + [slot.value for _, slot, *_ in more]
+                        write, item = write.many.write, values  # type: ignore[union-attr]
+                    else:
+                        write, item = write.write, item.get()
                 if item is NOTHING:  # (made ready as nothing to write)
                     pass
                 elif self._losses.error is None or always:  # closing runs even after an error
@@ -219,20 +234,33 @@ class Writer:
                     with self._changed:
                         self._losses.skip()
             except BaseException as e:  # kept for the caller; nothing is swallowed
-                with self._changed:  # (a write abandoned by `close` is counted already)
-                    self._losses.fail(e, write=not always and self._writing)
+                with self._changed:  # (writes abandoned by `close` are counted already)
+                    self._losses.fail(e, writes=0 if always else self._writing)
             finally:
                 with self._changed:
-                    self._pending_bytes -= size
-                    self._done += 1
+                    self._pending_bytes -= size + sum(queued[2] for queued in more)
+                    self._done += 1 + len(more)
                     while self._items and done(*self._items[0][:2]):  # made ready with it
                         self._pending_bytes -= self._items.popleft()[2]
                         self._done += 1
-                    self._writing = False
+                    self._writing = 0
                     recovered = self._watchdog.progressed(self.name)
                     self._changed.notify_all()
             if recovered is not None:
                 self.notify(recovered, WriterWarning)
+
+    def _joining(self, write: Prepared, joined: Any) -> list[tuple[Any, ...]]:
+        """Take the items queued first that `write` made ready and that join `joined` (under
+        the lock): they go to the backend with the one taken, at once. None once the
+        backend has failed (those are skipped, one by one)."""
+        taken: list[tuple[Any, ...]] = []
+        if self._losses.error is not None:
+            return taken
+        items = self._items
+        while items and items[0][0] is write and joins(write, items[0][1]) == joined:
+            taken.append(items.popleft())
+        self._writing += len(taken)
+        return taken
 
     def _enough(self) -> bool:
         return len(self._items) >= BATCH or self._hurry > 0 or self._closed
@@ -284,7 +312,7 @@ class Writer:
                 *_, size, _ = self._items.popleft()
                 self._pending_bytes -= size
                 self._done += 1
-            self._writing = False  # counted now; if the call ever returns, not again
+            self._writing = 0  # counted now; if the call ever returns, not again
             self._changed.notify_all()
             return message + f", {abandoned} write(s) of them abandoned."
 
