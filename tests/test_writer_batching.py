@@ -2,8 +2,13 @@
 and their records cut straight from the fetched buffers (`_rows.py`). What is written must be
 what the LogDict path writes (same lines, values and order), and a backend that fails inside
 such a batch must lose exactly the writes it lost before: the one that raised and those after
-it."""
+it. A JsonlLogger writes the writes of a run fetched together at once (`_write_many`): the
+bytes `json.dumps` writes, and a batch that fails is lost whole, none of it in the file."""
 
+import json
+import subprocess
+import sys
+import textwrap
 import threading
 
 import equinox as eqx
@@ -15,6 +20,7 @@ import pytest
 
 import eqx_logs
 from eqx_logs.loggers import JsonlLogger, WriterError, WriterWarning, read_jsonl
+from eqx_logs.loggers._host import to_python
 from eqx_logs.loggers._rows import row_plan
 
 STEPS = 500
@@ -186,3 +192,176 @@ def test_several_rows_per_call_equal_the_logdict_path(tmp_path):
     rows = read_jsonl(tmp_path / "jit.jsonl")
     assert [r["step"] for r in rows if r["key"] == "a"] == list(range(150))
     assert (tmp_path / "jit.jsonl").read_text() == (tmp_path / "write.jsonl").read_text()
+
+
+class Recording(JsonlLogger):
+    """A JsonlLogger that keeps what it was given to write (`gate.writes`: `(run, [records,
+    ...])` per backend call) and, with `gate.fail_at` set, fails its first batch of several
+    writes once `gate.fail_at` writes are written. Its first write waits for `gate.opened`
+    (in `_open`), so that the writes queued behind it are fetched, and written, together."""
+
+    gate: Gate = eqx.field(static=True, kw_only=True)
+
+    def _open(self, run):
+        assert self.gate.opened.wait(60)
+        return super()._open(run)
+
+    def _write(self, handle, run, records):
+        self.gate.writes.append((run, [records]))
+        super()._write(handle, run, records)
+
+    def _write_many(self, handle, run, writes):
+        self.gate.writes.append((run, writes))
+        written = sum(len(w) for _, w in self.gate.writes[:-1])
+        if self.gate.fail_at is not None and len(writes) > 1 and written >= self.gate.fail_at:
+            self.gate.failed = len(writes)
+            raise OSError("disk on fire")
+        super()._write_many(handle, run, writes)
+
+
+def _gate(fail_at: int | None = None) -> Gate:
+    gate = Gate(fail_at)
+    gate.writes, gate.failed = [], 0
+    return gate
+
+
+def mixed(x, i):
+    """Every dtype a value comes in, NaN and both infinities, a vector (with a NaN: its
+    elements one by one), a key JSON escapes, and two keys with three rows per call."""
+
+    def body(c, k):
+        eqx_logs.log({"rows": c * 1.5, "irows": (c * 2).astype(jnp.int32)}, step=i * 3 + k)
+        return c + 1, None
+
+    x = jax.lax.scan(body, x, jnp.arange(3))[0]
+    eqx_logs.log(
+        {
+            "f32": jnp.where(i % 7 == 3, jnp.nan, x / 3),
+            "pinf": jnp.where(i % 5 == 1, jnp.inf, x * 1e-30),
+            "ninf": jnp.where(i % 6 == 2, -jnp.inf, -x * 1e38),
+            "f16": (x / 7).astype(jnp.float16),
+            "bf16": (x / 7).astype(jnp.bfloat16),
+            "i32": i * -3,
+            "u8": (i % 256).astype(jnp.uint8),
+            "i8": (i % 100 - 50).astype(jnp.int8),
+            "u32": i.astype(jnp.uint32) * 7919,
+            "flag": i % 3 == 0,
+            "vec": jnp.stack([x, jnp.where(i % 2 == 0, jnp.nan, x), -x]),
+            'odd "key" \u00e9/\n': x,
+        },
+        step=i,
+    )
+    return x - 2.9
+
+
+def _json_lines(writes: list[tuple[int, list[list[dict]]]]) -> str:
+    """What `json.dumps` makes of the records the backend was given: the file's text."""
+    return "".join(
+        json.dumps({"run": run, **to_python(r)}) + "\n"
+        for run, calls in writes
+        for records in calls
+        for r in records
+    )
+
+
+def test_the_batched_lines_are_the_bytes_json_dumps_writes(tmp_path):
+    gate = _gate()
+    logger = Recording(tmp_path / "a.jsonl", gate=gate)
+    runs = {0: logger.init(0), 3: logger.init(3)}
+    jitted = {r: logger.jit(mixed, state, interval=1) for r, state in runs.items()}
+    x = {r: jnp.float32(r + 0.1) for r in runs}
+    for i in range(300):  # in blocks of a run's writes (those of a run are written together)
+        r = 3 if i % 50 >= 40 else 0
+        x[r] = jitted[r](x[r], jnp.int32(i))
+    gate.opened.set()
+    logger.close()
+    assert {run for run, _ in gate.writes} == {0, 3}
+    assert max(len(calls) for _, calls in gate.writes) > 1  # writes taken together
+    assert sum(len(calls) for _, calls in gate.writes) == 300  # every call, once
+    text = (tmp_path / "a.jsonl").read_text()
+    assert text == _json_lines(gate.writes)
+    rows = read_jsonl(tmp_path / "a.jsonl")
+    assert len(rows) == 300 * (6 + 12)
+    assert all(f': "{v}"' in text for v in ("nan", "inf", "-inf"))  # as `to_python` spells them
+    assert {r["value"] for r in rows if r["key"] == "flag"} == {True, False}
+    assert {type(r["value"]) for r in rows if r["key"] in ("i32", "u8", "irows")} == {int}
+
+
+def test_a_failing_batch_loses_every_write_in_it(tmp_path):
+    gate = _gate(fail_at=1)  # the first batch written once a write is written fails
+    logger = Recording(tmp_path / "a.jsonl", gate=gate)
+    _run(logger, STEPS)
+    gate.opened.set()
+    with pytest.raises(WriterError, match="disk on fire") as raised, pytest.warns(WriterWarning):
+        logger.flush()
+    assert gate.failed > 1  # a batch of several writes failed
+    written = [calls for _, calls in gate.writes[:-1]]
+    done = sum(map(len, written))
+    assert 0 < done and done + gate.failed <= STEPS
+    assert raised.value.lost == STEPS - done  # the batch's writes, then those after it
+    # the writes before the batch whole, nothing of the batch
+    _same(read_jsonl(tmp_path / "a.jsonl"), reference(done))
+    assert (tmp_path / "a.jsonl").read_text() == _json_lines(gate.writes[:-1])
+    gate.fail_at = None
+    _run(logger, 3)  # the logger keeps working for new calls
+    logger.close()
+    steps = [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")]
+    assert steps[-21:] == [0] * 7 + [1] * 7 + [2] * 7
+
+
+_CUT_SHORT_CHILD = textwrap.dedent(
+    """
+    import os, resource, sys, threading
+    import equinox as eqx, jax.numpy as jnp
+    import eqx_logs
+    from eqx_logs.loggers import JsonlLogger, WriterError
+
+    opened = threading.Event()
+
+    class Held(JsonlLogger):  # a run's first write waits: the writes behind it queue up
+        def _open(self, run):
+            assert run == 0 or opened.wait(60)
+            return super()._open(run)
+
+    def step(x, i):
+        eqx_logs.log({"a": x, "b": i}, step=i)
+        return x + 1
+
+    path = sys.argv[1]
+    logger = Held(path, fsync_every=0)
+    first = logger.jit(step, logger.init(0), interval=1)
+    for i in range(20):
+        first(jnp.float32(i), jnp.int32(i))
+    logger.flush()
+    size = os.path.getsize(path)
+    # room for one call's lines: any batch of several calls is cut short by the limit
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 150, size + 150))
+    second = logger.jit(step, logger.init(1), interval=1)
+    for i in range(200):
+        second(jnp.float32(i), jnp.int32(i))
+    opened.set()
+    try:
+        logger.flush()
+    except WriterError as e:
+        print(repr(e.__cause__), "lost", e.lost)
+    """
+)
+
+
+def test_a_batch_cut_short_leaves_nothing_of_it_in_the_file(tmp_path):
+    path = tmp_path / "a.jsonl"
+    child = subprocess.run(
+        [sys.executable, "-c", _CUT_SHORT_CHILD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0 and "File too large" in child.stdout, child.stderr[-3000:]
+    lost = int(child.stdout.split("lost")[1])
+    data = path.read_bytes()
+    assert data.endswith(b"\n")  # no line cut short: the failed batch was cut off whole
+    rows = read_jsonl(path)
+    firsts = [(r["run"], r["step"]) for r in rows if r["key"] == "a"]
+    done = len(firsts) - 20  # the second run's writes before the batch that failed
+    assert firsts == [(0, i) for i in range(20)] + [(1, i) for i in range(done)]
+    assert len(rows) == 2 * len(firsts) and 0 < lost == 200 - done
