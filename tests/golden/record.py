@@ -581,6 +581,9 @@ class _Recorder:
             tuple(
                 (x.shape, str(x.dtype), bool(getattr(x, "weak_type", False)))
                 if eqx.is_array(x)
+                # (`logger.jit(..., step="i")` traces a Python-int step: one program for all)
+                else type(x).__name__
+                if label == "logger.jit" and type(x) is int
                 else (type(x).__name__, repr(x))
                 for x in leaves
             ),
