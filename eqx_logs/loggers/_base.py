@@ -420,6 +420,12 @@ def _bind(logger: AbstractLogger) -> None:
     cls = type(logger)
     unstorable = cls._unstorable is not AbstractLogger._unstorable  # a backend that checks
     submit_logs = cls._submit_logs is not AbstractLogger._submit_logs
+    # a `_write_many` defined no higher than `_write` (a subclass overriding `_write` alone
+    # gets every write through it)
+    many = next((c for c in cls.__mro__ if "_write_many" in vars(c)), None)
+    writes = next(c for c in cls.__mro__ if "_write" in vars(c))
+    if many is not None and not issubclass(many, writes):
+        many = None
     logger._sink.bind(
         Backend(
             name=cls.__name__,
@@ -430,6 +436,7 @@ def _bind(logger: AbstractLogger) -> None:
             close=functools.partial(cls._close, logger),
             unstorable=functools.partial(cls._unstorable, logger) if unstorable else None,
             submit_logs=functools.partial(cls._submit_logs, logger) if submit_logs else None,
+            write_many=None if many is None else functools.partial(many._write_many, logger),
         )
     )
 

@@ -42,9 +42,9 @@ class JsonlLogger(AbstractLogger):
         from eqx_logs.loggers import JsonlLogger, read_jsonl
 
         with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
-            step = logger.jit(train_step, logger.init(), interval=10)
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+            step = logger.jit(train_step, logger.init(), interval=10, step="step")
+            for i in range(30):  # the step named: one compiled step for every i
+                model, opt_state = step(model, opt_state, x, y, i)
         losses = [(r["step"], r["value"]) for r in read_jsonl("run.jsonl") if r["key"] == "loss"]
         # steps 0, 10, 20
         ```

@@ -49,7 +49,7 @@ class Backend:
     on the writer thread; `unstorable`, on the caller's), bound through the logger's class,
     and the writer's policy. `write_many(handle, run, [records, ...])`, where the backend has
     one (`_write_many`), writes the records of several writes of a run, in order, at once;
-    None: found by `bind` (`write_many_of`)."""
+    None: one `write` per write."""
 
     name: str  # the logger's class, for messages
     on_full: Literal["block", "drop"]
@@ -153,8 +153,6 @@ class Sink(AbstractSink):
         self._ready = functools.partial(_fetch, opened=self.handles)
 
     def bind(self, backend: Backend) -> None:
-        if backend.write_many is None:
-            backend = dataclasses.replace(backend, write_many=write_many_of(backend.write))
         self.backend, self.submit = backend, backend.submit_logs or self.submit_logs
         # the writes of a run cut from their buffers go to the backend at once, where it
         # takes them so
@@ -316,21 +314,6 @@ def _joins(item: Any) -> int | None:
     are cut from its buffers (`HostRows`, one lane); None otherwise (written alone)."""
     runs, logs = item
     return int(runs) if isinstance(logs, HostRows) else None
-
-
-def write_many_of(write: Callable[..., None]) -> Callable[..., None] | None:
-    """The `_write_many` of the logger whose `_write` is `write` (`functools.partial(
-    cls._write, logger)`, as `AbstractLogger` binds it), where its class defines one no
-    higher than its `_write`: a subclass that overrides `_write` alone gets every write
-    through it. None where there is none."""
-    if not isinstance(write, functools.partial) or len(write.args) != 1:
-        return None
-    logger = write.args[0]
-    mro = type(logger).__mro__
-    owner = next((c for c in mro if "_write_many" in vars(c)), None)
-    if owner is None or not issubclass(owner, next(c for c in mro if "_write" in vars(c))):
-        return None
-    return functools.partial(owner._write_many, logger)
 
 
 class Feed:
