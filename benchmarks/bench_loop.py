@@ -145,15 +145,21 @@ def loops(width: int, depth: int, path: str):
         return go
 
     def run_with(make_step, as_int=False):
-        def go(logger, state):
-            fn = make_step(logger, state)
-            m, o = model0, opt0
-            for i in range(STEPS):
-                m, o, _ = fn(m, o, x, y, i if as_int else jnp.int32(i))
-            jax.block_until_ready(m)
-            logger.flush()
+        """(logger, state) -> the loop, its step made once (as the `jax.jit` loops' are)."""
 
-        return go
+        def loop(logger, state):
+            fn = make_step(logger, state)
+
+            def go():
+                m, o = model0, opt0
+                for i in range(STEPS):
+                    m, o, _ = fn(m, o, x, y, i if as_int else jnp.int32(i))
+                jax.block_until_ready(m)
+                logger.flush()
+
+            return go
+
+        return loop
 
     unlogged = eqx_logs.nolog(step)
     plains = {
@@ -223,7 +229,7 @@ def measure(name: str, width: int, depth: int, repeats: int) -> dict[str, float]
     loggers = {f: JsonlLogger(os.path.join(tmp, f"{i}.jsonl")) for i, f in enumerate(forms)}
     states = {f: loggers[f].init() for f in forms}
     runs = {**plains, **by_hand}
-    runs.update({f: (lambda f=f: forms[f][0](loggers[f], states[f])) for f in forms})
+    runs.update({f: forms[f][0](loggers[f], states[f]) for f in forms})
     times = interleaved(runs, repeats)
     for f, logger in loggers.items():
         logger.close()
