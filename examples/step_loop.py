@@ -26,8 +26,8 @@ def train_step(model, opt_state, x, y, step, *, optimizer):
         return jnp.mean((jax.vmap(model)(x) - y) ** 2)
 
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
-    # computed on the device inside the step; kept every INTERVAL steps (the grad norm of the
-    # other steps is never computed: it is only logged)
+    # kept every INTERVAL steps; the other steps run without their logs (their grad norm is
+    # never computed: it is only logged), picked on the host from the step (`step="step"`)
     eqx_logs.log({"loss": loss, "grad_norm": optax.tree.norm(grads)}, step=step)
     updates, opt_state = optimizer.update(grads, opt_state, model)
     return eqx.apply_updates(model, updates), opt_state
@@ -47,10 +47,10 @@ def main(directory: str) -> None:
     x, y, model, optimizer, opt_state = setup()
     path = os.path.join(directory, "run.jsonl")
     with JsonlLogger(path) as logger:  # leaving the block writes what is left and closes
-        step = logger.jit(train_step, logger.init(), interval=INTERVAL)
+        step = logger.jit(train_step, logger.init(), interval=INTERVAL, step="step")
         for i in range(STEPS):
-            # the step number as an array: a Python int would compile a new step each time
-            model, opt_state = step(model, opt_state, x, y, jnp.int32(i), optimizer=optimizer)
+            # the step named: its Python int is passed traced (one compiled step for every i)
+            model, opt_state = step(model, opt_state, x, y, i, optimizer=optimizer)
     rows = [r for r in read_jsonl(path) if r["key"] == "loss"]
     print(f"wrote {path}: {len(rows)} losses, steps {rows[0]['step']}..{rows[-1]['step']}")
     print(f"loss: {rows[0]['value']:.4f} -> {rows[-1]['value']:.4f}")
