@@ -87,6 +87,47 @@ def _compiled(key: Any) -> dict[Any, Any]:
 
 _CARRIED = object()  # in place of a compiled step: the arguments hold Flax NNX objects
 
+# The treedef of `(args, {})` for the treedefs of the arguments (`Jit._flatten`).
+_ARGS_DEFS: dict[tuple[Any, ...], Any] = {}
+_NO_KWARGS = jtu.tree_structure({})
+# An output's treedef -> the parts of the output `Jit._flatten` may take the leaves of (`_parts`)
+_PARTS: dict[Any, tuple[tuple[tuple[int, ...], Any, int, int], ...]] = {}
+
+
+def _immutable(treedef: Any) -> bool:
+    """Whether every node of `treedef` is a tuple (a named tuple too), None or an Equinox
+    module: nothing in such a tree can be changed in place."""
+    pending = [treedef]
+    while pending:
+        node = pending.pop()
+        data = node.node_data()
+        if data is not None and not issubclass(data[0], (tuple, type(None), eqx.Module)):
+            return False
+        pending.extend(node.children())
+    return True
+
+
+def _parts(out_def: Any, path: tuple[int, ...] = (), start: int = 0) -> list:
+    """The parts of an output of this treedef that `Jit._flatten` may take the leaves of:
+    `(path, treedef, first leaf, end)` for each immutable element inside plain tuples (the
+    step's `(model, opt_state, loss)`, inside `(out, logs)`)."""
+    parts = []
+    for i, child in enumerate(out_def.children()):
+        end = start + child.num_leaves
+        if child.num_nodes > 1 and _immutable(child):  # (a bare leaf gains nothing)
+            parts.append(((*path, i), child, start, end))
+        data = child.node_data()
+        if data is not None and data[0] is tuple:  # (and its elements, passed one by one)
+            parts += _parts(child, (*path, i), start)
+        start = end
+    return parts
+
+
+def _at(out: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        out = out[i]
+    return out
+
 
 class Jit:
     """`fun` compiled as by `eqx.filter_jit(fun, donate=donate)`, called without waiting
@@ -109,6 +150,8 @@ class Jit:
         # the step argument (`logger.jit(..., step=...)`): passed traced whatever it is (a
         # Python int too: a new step compiles nothing), after the other arrays
         self._step = step
+        # id -> (part, its treedef, its leaves): the last output's parts (see `_flatten`)
+        self._reuse: dict[int, tuple[Any, Any, list]] = {}
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split, self._fun_arrays = _split(leaves)
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
@@ -134,7 +177,10 @@ class Jit:
             if OPEN:  # (a compilation of a Python scalar's value: timed, maybe said)
                 finish()
         treedef, split = out.value
-        return jtu.tree_unflatten(treedef, _merge(*split, values))
+        leaves = _merge(*split, values)
+        out = jtu.tree_unflatten(treedef, leaves)
+        self._keep(out, treedef, leaves)
+        return out
 
     def lower(self, *args: Any, **kwargs: Any) -> Any:
         """The `jax.stages.Lowered` of a call with these arguments."""
@@ -171,7 +217,7 @@ class Jit:
             args, kwargs = self._bind(args, kwargs)
         if self._step is not None:
             step, args, kwargs = self._step.take(args, kwargs, "logger.jit")
-        leaves, treedef = jtu.tree_flatten((args, kwargs))
+        leaves, treedef = self._flatten(args, kwargs)
         split, arrays = _split(leaves)
         if self._step is not None:
             arrays.append(step)
@@ -187,6 +233,51 @@ class Jit:
                 jitted = self._compile(treedef, split, args)
             self._compiled[key] = jitted
         return jitted, arrays
+
+    def _flatten(self, args: tuple, kwargs: dict) -> tuple[list, Any]:
+        """`jtu.tree_flatten((args, kwargs))`, where an argument that is a part of the last
+        call's output (the model and optimiser state a training loop passes back) takes the
+        leaves that output was built from rather than being flattened again: an Equinox
+        module is flattened in Python, a field at a time, which costs a per-step loop more
+        than the rest of the call. Only parts made of immutable nodes (tuples, named tuples,
+        Equinox modules) are kept, by identity, so their leaves cannot have changed."""
+        reuse = self._reuse
+        if kwargs or not reuse:
+            return jtu.tree_flatten((args, kwargs))
+        leaves: list = []
+        defs = []
+        for arg in args:
+            hit = reuse.get(id(arg))
+            if hit is not None and hit[0] is arg:
+                defs.append(hit[1])
+                leaves += hit[2]
+            else:
+                part, treedef = jtu.tree_flatten(arg)
+                defs.append(treedef)
+                leaves += part
+        defs = tuple(defs)
+        treedef = _ARGS_DEFS.get(defs)
+        if treedef is None:
+            if len(_ARGS_DEFS) > 1024:
+                _ARGS_DEFS.clear()
+            treedef = _ARGS_DEFS[defs] = jtu.treedef_tuple([jtu.treedef_tuple(defs), _NO_KWARGS])
+        return leaves, treedef
+
+    def _keep(self, out: Any, out_def: Any, leaves: list) -> None:
+        """Keep the immutable parts of a call's output, with their leaves (see `_flatten`)."""
+        parts = _PARTS.get(out_def)
+        if parts is None:
+            data = out_def.node_data()
+            parts = tuple(_parts(out_def)) if data is not None and data[0] is tuple else ()
+            if len(_PARTS) > 1024:
+                _PARTS.clear()
+            _PARTS[out_def] = parts
+        if parts:
+            reuse = {}
+            for path, treedef, a, b in parts:
+                part = _at(out, path)
+                reuse[id(part)] = (part, treedef, leaves[a:b])
+            self._reuse = reuse
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._signature is None:
