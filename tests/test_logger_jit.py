@@ -627,3 +627,80 @@ def test_the_device_buffers_of_a_step_are_freed_on_the_loops_thread(tmp_path, mo
         assert len(freed) == 40
     assert set(freed) == {threading.main_thread()}
     assert_rows(rows(tmp_path / "a.jsonl"), reference(40))
+
+
+# --- the last output's leaves taken back (`Jit._flatten`) --------------------------------------
+
+
+class _Box:
+    """A mutable pytree node: its field can be changed in place between calls."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+jax.tree_util.register_pytree_node(_Box, lambda b: ((b.value,), None), lambda _, c: _Box(*c))
+
+
+class _Holder(eqx.Module):
+    weights: list  # a list: changed in place by the caller below
+    box: _Box
+    scale: jax.Array
+
+
+def _double(holder, t):
+    eqx_logs.log({"sum": jnp.sum(holder.weights[0]) + jnp.sum(holder.box.value)}, step=t)
+    return eqx.tree_at(lambda h: h.scale, holder, holder.scale * 2), jnp.sum(holder.scale)
+
+
+@pytest.mark.parametrize("step", [None, "t"])
+def test_an_output_changed_in_place_is_read_again_when_passed_back(tmp_path, step):
+    """An argument that is the last call's output is taken as that output's leaves, but only
+    where nothing in it can change in place: a list or a mutable pytree node inside it,
+    changed by the caller between calls, is read again. Each row equals numpy's sum of what
+    the caller set."""
+    kw = {} if step is None else {"step": step}
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        fn = logger.jit(_double, logger.init(), **kw)
+        holder = _Holder([jnp.ones(3)], _Box(jnp.ones(2)), jnp.float32(1.0))
+        want, scales = [], []
+        for t in range(6):
+            holder.weights[0] = jnp.full(3, float(t))  # in place, in the last output
+            holder.box.value = jnp.full(2, 10.0 * t)
+            want.append(3.0 * t + 20.0 * t)
+            holder, scale = fn(holder, t if step else jnp.int32(t))
+            scales.append(float(scale))
+    rows = [r["value"] for r in read_jsonl(tmp_path / "a.jsonl") if r["key"] == "sum"]
+    np.testing.assert_allclose(rows, want)
+    np.testing.assert_allclose(scales, [2.0**t for t in range(6)])
+
+
+def test_an_older_output_or_a_copy_passed_back_is_its_own_values(tmp_path):
+    """The model and optimiser state passed back are the last output's (taken back), an older
+    one (a checkpoint), or an equal rebuilt copy: each call's loss and row are those of the
+    arrays passed, as by `eqx.filter_jit`."""
+    model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1, momentum=0.9))
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(4, 2)
+
+    def step(model, opt_state, i):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+        eqx_logs.log({"loss": loss}, step=i)
+        updates, opt_state = opt.update(grads, opt_state, model)
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    plain = eqx.filter_jit(step)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        fn = logger.jit(step, logger.init(), step="i")
+        m1, o1, _ = fn(model, opt_state, 0)
+        m2, o2, _ = fn(m1, o1, 1)
+        older, _, loss_older = fn(m1, o1, 2)  # m1 again: not the last output
+        copy = jax.tree.map(lambda a: a, m2)  # equal leaves, another object
+        _, _, loss_copy = fn(copy, o2, 3)
+    want_older = plain(m1, o1, jnp.int32(2))[2]
+    want_copy = plain(m2, o2, jnp.int32(3))[2]
+    np.testing.assert_allclose(float(loss_older), float(want_older), rtol=1e-6)
+    np.testing.assert_allclose(float(loss_copy), float(want_copy), rtol=1e-6)
+    rows = [r["value"] for r in read_jsonl(tmp_path / "a.jsonl")]
+    np.testing.assert_allclose(rows[2:], [float(want_older), float(want_copy)], rtol=1e-6)
