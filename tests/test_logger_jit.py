@@ -704,3 +704,25 @@ def test_an_older_output_or_a_copy_passed_back_is_its_own_values(tmp_path):
     np.testing.assert_allclose(float(loss_copy), float(want_copy), rtol=1e-6)
     rows = [r["value"] for r in read_jsonl(tmp_path / "a.jsonl")]
     np.testing.assert_allclose(rows[2:], [float(want_older), float(want_copy)], rtol=1e-6)
+
+
+def test_no_older_output_is_held_between_the_kept_and_the_skipped_steps(tmp_path):
+    """The two programs of `logger.jit(..., step=, interval=)` share what they keep of the
+    last output: after a loop, every array held is one of the latest model's (an older
+    model held by the program of the kept steps would double the model's memory)."""
+    model = eqx.nn.MLP(2, 1, 4, 1, key=jax.random.key(0))
+
+    def step(model, i):
+        eqx_logs.log({"w": jnp.sum(model.layers[0].weight)})
+        return jax.tree.map(lambda a: a * 0.5 if eqx.is_array(a) else a, model)
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        fn = logger.jit(step, logger.init(), interval=4, step="i")
+        for i in range(10):  # kept at 0, 4, 8; the last call (9) skipped
+            model = fn(model, i)
+        held = [a for _, _, leaves in fn.jitted._last.parts.values() for a in leaves]
+        held += [a for _, _, leaves in fn.skip._last.parts.values() for a in leaves]
+        latest = {id(a) for a in jax.tree.leaves(model)}
+        assert held and all(id(a) in latest for a in held if eqx.is_array(a))
+    rows = read_jsonl(tmp_path / "a.jsonl")
+    assert [r["step"] for r in rows] == [0, 4, 8]

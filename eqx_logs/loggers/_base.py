@@ -17,7 +17,7 @@ from .._retrace import fun_name
 from .._spool import build, build_wrapper, spool as _spool, under_jax_jit
 from .._tap import check_buffer, check_tap_options, tap_with
 from ._host import Record
-from ._jit import Donate, Jit
+from ._jit import Donate, Jit, Last
 from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._sink import AbstractSink, Backend, Sink
@@ -302,11 +302,12 @@ class AbstractLogger(eqx.Module):
         without one of its own (as in `eqx_logs.scope(step=i)`). With `interval=k`, a call
         whose step is a Python int that is not a multiple of k runs a second compiled step:
         `fun` with every log removed (nothing computed for logs, nothing returned, nothing
-        for the writer). That holds once the first trace of `fun` found every event at the
-        call's step (logged without `step=`, or with `step=` that very argument); an event
-        at another step (`step=2 * i`, a step passed into an inner `jax.jit`) is warned
-        about, and then every call runs its logs, gated on the device, as without `step=`.
-        The written rows are the same either way. A step given as a JAX array is never read
+        for the writer), where its trace finds every event at the call's step (logged
+        without `step=`, or with `step=` that very argument); where some event is at another
+        step (`step=2 * i`, a step passed into an inner `jax.jit`), that program keeps its
+        logs, gated on the device, as without `step=`, with a warning naming the event. The
+        written rows are the same either way. (The second program is traced and compiled
+        once, beside the first.) A step given as a JAX array is never read
         on the host (reading it could wait for the device): every call runs its logs, gated
         on the device. With `first_nonfinite`, every call runs its logs (the search looks
         at every event).
@@ -357,13 +358,13 @@ class AbstractLogger(eqx.Module):
         else:
             at = StepArg.of(fun, step, "logger.jit")
             spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
-            packing = build(_Packing, spooled)
-            jitted, skip, gate = Jit(packing, donate, step=at), None, None
+            packing, last = build(_Packing, spooled), Last()
+            jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
             # (`first_nonfinite` looks at every event, those an interval skips too)
             if policy.interval > 1 and not policy.first_nonfinite:
                 gate = Gate(at, policy.interval)
                 skipping = build_wrapper(Skipping, packing, at, policy.interval)
-                skip = Jit(skipping, donate, step=at)
+                skip = Jit(skipping, donate, step=at, last=last)
         feed = self._sink.feed(state)
         return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, gate)
 

@@ -58,23 +58,38 @@ def records(
     stack's buffer held fewer events than it kept (default: `warnings.warn`)."""
     logs = with_events(logs)
     for key, value in logs.items():
-        count = np.asarray(logs.count[key])
         steps = {name: per_key[key] for name, per_key in logs.steps.items() if key in per_key}
-        leaves = jax.tree.leaves(value)
-        if key in logs.rows and leaves:  # an event axis: a record per real event or window
-            length = leaves[0].shape[0]
-            if logs.reductions.get(key) == "Stack" and np.any(count > logs.rows[key]):
-                (warn or warn_user)(overflow_message(key, count, logs.rows[key]), UserWarning)
-            for i in range(int(np.max(logs.rows[key]))):
-                row = jax.tree.map(lambda x: x[i], value)
-                # steps line up with the rows, except for Collect (whose rows are elements)
-                row_steps = {
-                    n: s[i] if np.ndim(s) and np.shape(s)[0] == length else s
-                    for n, s in steps.items()
-                }
-                yield {"key": key, "value": row, **row_steps}
-        else:
-            yield {"key": key, "value": value, "count": count, **steps}
+        stack = logs.reductions.get(key) == "Stack"
+        count, rows = np.asarray(logs.count[key]), logs.rows.get(key)
+        yield from key_records(key, value, count, rows, steps, stack, warn or warn_user)
+
+
+def key_records(
+    key: str,
+    value: Any,
+    count: np.ndarray,
+    rows: Any,
+    steps: dict[str, Any],
+    stack: bool,
+    warn: Callable[[str, type[Warning]], None],
+) -> Iterator[Record]:
+    """The records of one key with events (see `records`): `rows`, None for a key without an
+    event axis; `stack`, whether it is a Stack's."""
+    leaves = jax.tree.leaves(value)
+    if rows is None or not leaves:
+        yield {"key": key, "value": value, "count": count, **steps}
+        return
+    # an event axis: a record per real event or window
+    length = leaves[0].shape[0]
+    if stack and np.any(count > rows):
+        warn(overflow_message(key, count, rows), UserWarning)
+    for i in range(int(np.max(rows))):
+        row = jax.tree.map(lambda x: x[i], value)
+        # steps line up with the rows, except for Collect (whose rows are elements)
+        row_steps = {
+            n: s[i] if np.ndim(s) and np.shape(s)[0] == length else s for n, s in steps.items()
+        }
+        yield {"key": key, "value": row, **row_steps}
 
 
 def overflow_message(key: str, count: Any, rows: Any) -> str:

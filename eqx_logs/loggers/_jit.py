@@ -123,6 +123,19 @@ def _parts(out_def: Any, path: tuple[int, ...] = (), start: int = 0) -> list:
     return parts
 
 
+class Last:
+    """The parts of the last output of the `Jit`s that share it (see `Jit._flatten`): the
+    kept and the skipped steps' programs of a `logger.jit` share one, so that only the
+    latest output is held, which the caller holds too (each holding its own would keep an
+    older copy of the model alive)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self):
+        # id -> (part, its treedef, its leaves)
+        self.parts: dict[int, tuple[Any, Any, list]] = {}
+
+
 def _at(out: Any, path: tuple[int, ...]) -> Any:
     for i in path:
         out = out[i]
@@ -140,6 +153,7 @@ class Jit:
         *,
         first: int = 1,
         step: StepArg | None = None,
+        last: Last | None = None,
     ):
         if donate not in ("all", "all-except-first", "warn", "none"):
             raise ValueError(
@@ -150,8 +164,7 @@ class Jit:
         # the step argument (`logger.jit(..., step=...)`): passed traced whatever it is (a
         # Python int too: a new step compiles nothing), after the other arrays
         self._step = step
-        # id -> (part, its treedef, its leaves): the last output's parts (see `_flatten`)
-        self._reuse: dict[int, tuple[Any, Any, list]] = {}
+        self._last = Last() if last is None else last  # (see `_flatten`)
         leaves, self._fun_def = jtu.tree_flatten(fun)
         self._fun_split, self._fun_arrays = _split(leaves)
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
@@ -241,7 +254,7 @@ class Jit:
         module is flattened in Python, a field at a time, which costs a per-step loop more
         than the rest of the call. Only parts made of immutable nodes (tuples, named tuples,
         Equinox modules) are kept, by identity, so their leaves cannot have changed."""
-        reuse = self._reuse
+        reuse = self._last.parts
         if kwargs or not reuse:
             return jtu.tree_flatten((args, kwargs))
         leaves: list = []
@@ -277,7 +290,7 @@ class Jit:
             for path, treedef, a, b in parts:
                 part = _at(out, path)
                 reuse[id(part)] = (part, treedef, leaves[a:b])
-            self._reuse = reuse
+            self._last.parts = reuse
 
     def _bind(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self._signature is None:

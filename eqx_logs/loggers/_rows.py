@@ -17,7 +17,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ._host import Record, overflow_message
+from ._host import Record, key_records, overflow_message
 from ._packed import Layout
 
 # (buffer index, offset, shape) of a packed leaf
@@ -134,15 +134,6 @@ class HostRows:
                 continue
             value = _cut(buffers, value_at)
             steps = {name: _cut(buffers, at) for name, at in steps_at}
-            if rows_at is None:
-                out.append({"key": key, "value": value, "count": count, **steps})
-                continue
-            rows, length = _cut(buffers, rows_at), value.shape[0]
-            if stack and np.any(count > rows):
-                warn(overflow_message(key, count, rows), UserWarning)
-            for i in range(int(np.max(rows))):
-                row_steps = {
-                    n: s[i] if s.ndim and s.shape[0] == length else s for n, s in steps.items()
-                }
-                out.append({"key": key, "value": value[i], **row_steps})
+            rows = None if rows_at is None else _cut(buffers, rows_at)
+            out += key_records(key, value, count, rows, steps, stack, warn)
         return out

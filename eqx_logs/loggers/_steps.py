@@ -85,12 +85,15 @@ class StepArg:
         if i is not None and len(args) > i:
             return args[i], (*args[:i], None, *args[i + 1 :]), kwargs
         if self.name not in kwargs:
-            raise TypeError(
-                f"{where}(step={self.name!r}): the call passes no argument {self.name!r}. Pass "
-                "the step at every call."
-            )
+            raise self.missing(where)
         kwargs = dict(kwargs)
         return kwargs.pop(self.name), args, {**kwargs, self.name: None}
+
+    def missing(self, where: str) -> TypeError:
+        return TypeError(
+            f"{where}(step={self.name!r}): the call passes no argument {self.name!r}. Pass "
+            "the step at every call."
+        )
 
     def put(self, args: tuple, kwargs: dict, value: Any) -> tuple[tuple, dict]:
         """The arguments of `take` with `value` back in the step's place."""
@@ -134,10 +137,7 @@ class AtStep(eqx.Module):
     def __call__(self, *args, **kwargs):
         value = self.step.peek(args, kwargs)
         if value is _MISSING:
-            raise TypeError(
-                f"the call passes no argument {self.step.name!r}, named as the step. Pass the "
-                "step at every call."
-            )
+            raise self.step.missing("logger.jit")
         with call_step(value):
             return self.fun(*args, **kwargs)
 
