@@ -606,3 +606,55 @@ def test_a_partial_that_turns_on_a_log_at_another_step_is_not_skipped(tmp_path):
     plain = run(tmp_path / "plain.jsonl", True)
     assert sorted(plain) == sorted(want)
     assert run(tmp_path / "step.jsonl", False) == plain
+
+
+def test_a_diffrax_solve_in_the_step_logs_at_the_call_step_and_is_skipped(tmp_path):
+    """A log in a diffrax vector field (inside its while loop, without `step=`) takes the
+    call's step, so the calls between intervals run without it: the vector field's
+    evaluations logged are counted by a callback on the logged value only, and the rows
+    (the mean of every evaluation's state) equal the same loop without `step=`, whose
+    events carry `scope(step=i)`, and a numpy check of their count."""
+    import diffrax
+
+    computed = []
+
+    def counted(x):
+        shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        return jax.pure_callback(lambda v: (computed.append(1), v)[1], shape, x)
+
+    def vector_field(t, y, args):
+        eqx_logs.log({"y_mean": counted(jnp.mean(y))}, reduce="mean")
+        return -args * y
+
+    def solve(y0, a):
+        sol = diffrax.diffeqsolve(
+            diffrax.ODETerm(vector_field), diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, args=a
+        )
+        return sol.ys[-1]
+
+    def step(y0, a, i):
+        del i  # (the step of the events inside: the call's)
+        return solve(y0, a)
+
+    def reference(y0, a, i):
+        with eqx_logs.scope(step=i):
+            return step(y0, a, i)
+
+    n, k = 6, 3
+    y0, a = jnp.ones(3, jnp.float32), jnp.float32(0.5)
+    with JsonlLogger(tmp_path / "step.jsonl") as logger:
+        fn = logger.jit(step, logger.init(), interval=k, step="i")
+        outs, evaluated = [], []
+        for i in range(n):
+            outs.append(jax.block_until_ready(fn(y0, a, i)))
+            evaluated.append(len(computed))
+            computed.clear()
+    # the kept calls evaluate the logged value at every step of the solve, the others never
+    assert [e > 0 for e in evaluated] == [i % k == 0 for i in range(n)], evaluated
+    with JsonlLogger(tmp_path / "plain.jsonl") as logger:
+        fn = logger.jit(reference, logger.init(), interval=k)
+        want = [fn(y0, a, jnp.int32(i)) for i in range(n)]
+    got, ref = rows(tmp_path / "step.jsonl"), rows(tmp_path / "plain.jsonl")
+    assert [s for _, s, _ in got] == [0, 3] and [s for _, s, _ in ref] == [0, 3]
+    np.testing.assert_allclose([v for *_, v in got], [v for *_, v in ref], rtol=1e-6)
+    np.testing.assert_allclose(np.stack(outs), np.stack(want), rtol=1e-6)
