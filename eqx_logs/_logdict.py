@@ -23,8 +23,13 @@ class LogDict(dict):
     - `logs.<step>[key]`: the step values recorded with `log(..., step=i)`, aligned with
       `logs[key]` (for example `logs.step["loss"]`, `logs.episode["loss"]`).
 
-    A LogDict is a pytree whose static part is only its keys and step names, so it passes
-    through `jax.jit` and `eqx.filter_jit` as an output.
+    A LogDict is a pytree, so it passes through `jax.jit` and `eqx.filter_jit` as an output.
+    Its static part is its keys, step names and reductions, and the counts (and row counts)
+    that `spool` knew when it traced the function (straight-line code and scans, not a
+    `while_loop` or a `cond` that decides): those are numpy int32 arrays in its structure,
+    not outputs of the compiled program (an output costs a buffer at every call). Under a
+    `jax.vmap`, `lax.scan` or `lax.map` around the spool such a count gets the new leading
+    axes of its key's value (each lane's count is the same), as an output would.
     """
 
     __slots__ = (
@@ -32,8 +37,7 @@ class LogDict(dict):
         "_steps",
         "_reductions",
         "_rows",
-        "_rows_are_counts",
-        "_count_groups",
+        "_known",
         "_nonfinite",
         "_packed",  # after `tree_unflatten`: (aux, children), until the slots above are set
     )
@@ -51,12 +55,9 @@ class LogDict(dict):
         self._count = dict(count or {})
         self._reductions = dict(reductions or {})
         self._rows = dict(rows or {})
-        # keys whose rows are their count (both known at trace time, as in straight-line code
-        # and scans): one leaf for both, so a jitted spool has one output for them, not two
-        self._rows_are_counts: frozenset[str] = frozenset()
-        # keys whose counts were known at trace time and equal: one leaf for each group, so
-        # a jitted spool returns one count for them (an output costs a buffer every call)
-        self._count_groups: tuple[tuple[str, ...], ...] = ()
+        # (part, key) of the counts and rows known at trace time, which are static: to their
+        # treedef data and the array made from it, where unflattened (`_static_part`)
+        self._known: dict[tuple[str, str], tuple | None] = {}
         # `spool(first_nonfinite=True)`: (arrays, (keys, sites, step names)), else None
         self._nonfinite: tuple[dict[str, Any], tuple] | None = None
         # step name -> {key -> stacked step values}
@@ -144,6 +145,7 @@ class LogDict(dict):
             reductions={k: r for k, r in self._reductions.items() if k in keep},
             rows={k: r for k, r in self._rows.items() if k in keep},
         )
+        out._known = {(part, k): v for (part, k), v in self._known.items() if k not in drop}
         out._nonfinite = self._nonfinite
         return out
 
@@ -155,11 +157,14 @@ class LogDict(dict):
             pass
         keys = tuple(self)
         step_names = tuple((name, tuple(per_key)) for name, per_key in self._steps.items())
-        shared = tuple(k for k in keys if k in self._rows_are_counts)
-        row_keys = tuple(k for k in keys if k in self._rows and k not in shared)
-        groups = tuple(g for g in self._count_groups if all(k in self for k in g))
-        followers = {k for g in groups for k in g[1:]}
-        counted = tuple(k for k in keys if k not in followers)
+        known = self._known
+        counted = tuple(k for k in keys if ("count", k) not in known)
+        row_keys = tuple(k for k in keys if k in self._rows and ("rows", k) not in known)
+        static = tuple(
+            _static_part(part, k, getattr(self, f"_{part}")[k], self[k], known[part, k])
+            for part, k in sorted(known)
+            if k in self
+        )
         children = [self[k] for k in keys]
         children += [self._count[k] for k in counted]
         children += [self._rows[k] for k in row_keys]
@@ -171,14 +176,13 @@ class LogDict(dict):
             arrays, tables = self._nonfinite
             nonfinite = (tuple(arrays), tables)
             children += list(arrays.values())
-        return children, _Aux((keys, step_names, reductions, row_keys, shared, nonfinite, groups))
+        return children, _Aux((keys, step_names, reductions, counted, row_keys, static, nonfinite))
 
     def tree_flatten_with_keys(self):
         children, aux = self.tree_flatten()
-        keys, step_names, _, row_keys, _, nonfinite, groups = aux.spec
-        followers = {k for g in groups for k in g[1:]}
+        keys, step_names, _, counted, row_keys, _, nonfinite = aux.spec
         paths = [jtu.DictKey(k) for k in keys]
-        paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in keys if k not in followers]
+        paths += [jtu.GetAttrKey(f"count[{k!r}]") for k in counted]
         paths += [jtu.GetAttrKey(f"rows[{k!r}]") for k in row_keys]
         for name, per_key in step_names:
             paths += [jtu.GetAttrKey(f"{name}[{k!r}]") for k in per_key]
@@ -200,10 +204,25 @@ class LogDict(dict):
 _UNPACKED = frozenset(LogDict.__slots__) - {"_packed"}
 
 
+def _static_part(part: str, key: str, x: Any, value: Any, made: tuple | None) -> tuple:
+    """A count or row count known at trace time as treedef data: `(part, key, shape, dtype,
+    elements, ndim)`, `ndim` that of the key's value's first leaf then (the axes a `vmap`,
+    `scan` or `lax.map` adds later are its leading axes beyond it: `_parts`). `made`, where
+    the LogDict was unflattened: `(data, array)`, the data the part came from and the array
+    made of it; while `x` is that array, the data is kept (the value's leading axes beyond
+    `ndim` are a `vmap`'s, not the part's own)."""
+    if made is not None and made[1] is x:
+        return made[0]
+    x = np.asarray(x)
+    leaves = jtu.tree_leaves(value)
+    ndim = np.ndim(leaves[0]) if leaves else None
+    return (part, key, x.shape, x.dtype.str, tuple(x.ravel().tolist()), ndim)
+
+
 class _Aux:
-    """A LogDict's treedef data: its keys, step names, reductions, ... (`spec`, by which it
-    is compared and hashed), and where `_unpack` finds each part among the leaves, worked out
-    once per treedef."""
+    """A LogDict's treedef data: its keys, step names, reductions, its counts known at trace
+    time, ... (`spec`, by which it is compared and hashed), and where `_unpack` finds each
+    part among the leaves, worked out once per treedef."""
 
     __slots__ = ("spec", "_hash", "_plan")
 
@@ -222,19 +241,46 @@ class _Aux:
         return f"LogDict{self.spec[0]!r}"
 
     def plan(self) -> tuple:
-        """(count, rows, steps, nonfinite): the leaf index of each key's part, and the rest."""
+        """(count, rows, steps, nonfinite): where each key's part is, in the keys' order:
+        `(part, key, at)`, `at` its leaf index, or `(array, ndim, value index, data)` for a
+        part in the structure (`_static_part`'s `data`)."""
         if self._plan is None:
-            keys, step_names, reductions, row_keys, shared, nonfinite, groups = self.spec
+            keys, step_names, _, counted, row_keys, static, nonfinite = self.spec
             at = iter(range(len(keys), 2**62))
-            leader = {k: g[0] for g in groups for k in g[1:]}
-            count_at = {k: next(at) for k in keys if k not in leader}
-            count_at.update({k: count_at[first] for k, first in leader.items()})
-            count = tuple((k, count_at[k]) for k in keys)
-            rows = tuple((k, next(at)) for k in row_keys) + tuple((k, count_at[k]) for k in shared)
+            where = {("count", k): next(at) for k in counted}
+            where.update({("rows", k): next(at) for k in row_keys})
             steps = tuple((n, tuple((k, next(at)) for k in per_key)) for n, per_key in step_names)
             arrays = None if nonfinite is None else tuple((n, next(at)) for n in nonfinite[0])
+            for data in static:
+                part, key, shape, dtype, elements, ndim = data
+                x = np.array(elements, dtype).reshape(shape)
+                x.flags.writeable = False  # (shared by every LogDict of this treedef)
+                where[part, key] = (x, ndim, keys.index(key), data)
+            count = tuple(("count", k, where["count", k]) for k in keys)
+            rows = tuple(("rows", k, where["rows", k]) for k in keys if ("rows", k) in where)
             self._plan = (count, rows, steps, arrays)
         return self._plan
+
+
+def _parts(self: LogDict, children: Any, parts: tuple) -> dict[str, Any]:
+    """The counts or row counts of an unflattened LogDict: each its leaf, or the array in
+    its structure, broadcast over the leading axes its key's value gained since (a `vmap`,
+    `scan` or `lax.map` around the spool), noted in `self._known`."""
+    out = {}
+    for part, key, at in parts:
+        if isinstance(at, int):
+            out[key] = children[at]
+            continue
+        x, ndim, value_at, data = at
+        leaves = jtu.tree_leaves(children[value_at])
+        shape = getattr(leaves[0], "shape", None) if leaves and ndim is not None else None
+        if isinstance(shape, tuple) and len(shape) > ndim:
+            lanes = shape[: len(shape) - ndim]
+            if all(isinstance(d, int | np.integer) for d in lanes):  # (not `jax.export`'s)
+                x = np.broadcast_to(x, lanes + x.shape)
+        out[key] = x
+        self._known[part, key] = (data, x)
+    return out
 
 
 # One LogDict may be read by several threads at once (a MultiLogger's writers, a user's thread
@@ -255,14 +301,13 @@ def _unpack(self: LogDict) -> None:
 
 def _unpack_from(self: LogDict, aux: "_Aux", children: Any) -> None:
     """`_unpack`'s work, under its lock."""
-    keys, _, reductions, _, shared, nonfinite, groups = aux.spec
+    keys, _, reductions, *_, nonfinite = aux.spec
     count, rows, steps, arrays = aux.plan()
-    self._count = {k: children[i] for k, i in count}
-    self._rows = {k: children[i] for k, i in rows}
+    self._known = {}
+    self._count = _parts(self, children, count)
+    self._rows = _parts(self, children, rows)
     self._steps = {n: {k: children[i] for k, i in per_key} for n, per_key in steps}
     self._reductions = {k: r for k, r in zip(keys, reductions) if r is not None}
-    self._rows_are_counts = frozenset(shared)
-    self._count_groups = groups
     self._nonfinite = None
     if arrays is not None:
         self._nonfinite = ({n: children[i] for n, i in arrays}, nonfinite[1])
@@ -361,14 +406,17 @@ def _serialize_aux(aux: _Aux) -> bytes:
 
 
 def _deserialize_aux(data: bytes) -> _Aux:
-    keys, step_names, reductions, row_keys, shared, nonfinite, groups = json.loads(data.decode())
+    keys, step_names, reductions, counted, row_keys, static, nonfinite = json.loads(data.decode())
     step_names = tuple((name, tuple(per_key)) for name, per_key in step_names)
+    static = tuple(
+        (part, key, tuple(shape), dtype, tuple(elements), ndim)
+        for part, key, shape, dtype, elements, ndim in static
+    )
     if nonfinite is not None:
         names, tables = nonfinite
         nonfinite = (tuple(names), tuple(tuple(t) for t in tables))
-    groups = tuple(tuple(g) for g in groups)
-    keys, reductions = tuple(keys), tuple(reductions)
-    return _Aux((keys, step_names, reductions, tuple(row_keys), tuple(shared), nonfinite, groups))
+    keys, reductions, counted, row_keys = map(tuple, (keys, reductions, counted, row_keys))
+    return _Aux((keys, step_names, reductions, counted, row_keys, static, nonfinite))
 
 
 # `jax.export` of a spooled function: its outputs include a LogDict.

@@ -543,6 +543,9 @@ def test_eager_spool_gives_the_logdict_a_jitted_spool_gives():
                 assert got[k] == want[k]
             else:
                 np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]), part)
-    assert eager._count_groups == jitted._count_groups and eager._count_groups
+    # the counts known at trace time are in both structures, the same
+    assert jax.tree.structure(eager) == jax.tree.structure(jitted)
+    assert {k for _, k in eager._known} == {"a", "b", "m", "bad"}
+    assert set(eager._known) == set(jitted._known)
     assert eager.first_nonfinite == jitted.first_nonfinite
     assert eager.first_nonfinite.key == "bad"

@@ -157,12 +157,14 @@ def test_logdict_is_a_pytree_through_jit():
     out, logs = jax.jit(el.spool(f))(jnp.float32(2.0))
     assert isinstance(logs, el.LogDict)
     leaves, treedef = jax.tree_util.tree_flatten(logs)
-    # value, count, step: the rows (real events) are the count here, known at trace time,
-    # and share its leaf (one output of the jitted program, not two)
-    assert len(leaves) == 3
+    # value, step: the count and the rows (real events) are known at trace time, so they
+    # are in the structure, numpy arrays, not outputs of the jitted program
+    assert len(leaves) == 2
+    assert type(logs.count["x"]) is np.ndarray and type(logs.rows["x"]) is np.ndarray
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     assert np.array_equal(back.step["x"], [3]) and int(back.count["x"]) == 1
     assert int(back.rows["x"]) == 1
+    assert jax.tree_util.tree_structure(el.spool(f)(jnp.float32(2.0))[1]) == treedef
 
     def g(x):  # rows that differ from the count: a leaf of their own
         lax.fori_loop(0, x.astype(jnp.int32), lambda i, c: (el.log("w", c), c)[1], 0.0)

@@ -176,7 +176,7 @@ class Spool(Handler):
                 policy.across,
             )
             by_batch.setdefault(batch, {})[key] = state
-        values, count, steps, names, rows, same = {}, {}, {}, {}, {}, set()
+        values, count, steps, names, rows = {}, {}, {}, {}, {}
         for batch, group in by_batch.items():
             finished = vmap_n(lambda g: {k: store.finish(k, s) for k, s in g.items()}, len(batch))
             for key, (key_rows, finals) in finished(group).items():
@@ -186,9 +186,6 @@ class Spool(Handler):
                 names[name] = type(reduction).__name__
                 if reduction.event_axes:
                     rows[name] = key_rows
-                    if _known(key_rows) and _known(count[name]):
-                        if np.array_equal(key_rows, count[name]):
-                            same.add(name)
                 for channel, out in finals.items():
                     out = method(store.channels[key][channel], "place_batch_axes")(out, len(batch))
                     if channel == "value":
@@ -196,13 +193,9 @@ class Spool(Handler):
                     else:
                         steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
-        logs._rows_are_counts = frozenset(same)
-        # counts known now and equal share one output (`LogDict._count_groups`)
-        known: dict[Any, list[str]] = {}
-        for name, c in count.items():
-            if _known(c):
-                known.setdefault((c.shape, c.dtype.str, c.tobytes()), []).append(name)
-        logs._count_groups = tuple(tuple(g) for g in known.values() if len(g) > 1)
+        # what is known now is static: not an output (`LogDict`)
+        parts = {"count": count, "rows": rows}
+        logs._known = {(p, k): None for p, xs in parts.items() for k, x in xs.items() if _known(x)}
         if first is not None:
             logs._nonfinite = (self.first.finish(first["value"]), self.first.tables())
         return outs, logs

@@ -33,7 +33,8 @@ class Layout:
     dtypes: tuple[np.dtype, ...]
     nbytes: int
     # where the counts are, if all are packed in one buffer and nothing else needs reading
-    # (no `first_nonfinite` report): (buffer index, number of leading elements), else None
+    # (no `first_nonfinite` report, no count known at trace time, in the treedef, above 0):
+    # (buffer index, number of leading elements), else None
     counts: tuple[int, int] | None
 
 
@@ -72,7 +73,9 @@ def pack(logs: LogDict) -> Packed:
     leaves, treedef = jax.tree.flatten(logs)
     children, aux = logs.tree_flatten()
     first_leaf = np.cumsum([0] + [len(jax.tree.leaves(c)) for c in children])
-    count_leaves = {int(first_leaf[i]) for _, i in aux.plan()[0]}
+    count_leaves = {int(first_leaf[at]) for *_, at in aux.plan()[0] if isinstance(at, int)}
+    # (a count known at trace time is in the treedef: a write with one always has events)
+    known_events = any(np.any(at[0]) for *_, at in aux.plan()[0] if not isinstance(at, int))
     groups: dict[Any, list[Any]] = {}
     dtypes = tuple(np.dtype(jnp.result_type(leaf)) for leaf in leaves)
     large: list[Any] = []
@@ -91,7 +94,8 @@ def pack(logs: LogDict) -> Packed:
     buffers = tuple(jnp.concatenate(group) for group in groups.values())
     at = [places[i] for i in count_leaves]
     counts = None
-    if len({index for index, *_ in at}) == 1 and at[0][0] >= 0 and logs._nonfinite is None:
+    one = len({index for index, *_ in at}) == 1 and at[0][0] >= 0
+    if one and not known_events and logs._nonfinite is None:
         counts = (at[0][0], sum(math.prod(shape) for *_, shape in at))
     layout = Layout(treedef, tuple(places), dtypes, nbytes, counts)
     return Packed(buffers, tuple(large), layout)

@@ -29,13 +29,15 @@ class RowPlan:
     `(key, value, count, rows or None, ((step name, place), ...), is a Stack)`; and, for a
     key whose count and rows are scalars and whose value and steps hold one element per
     row (a Stack of scalars: `interval=1`'s), `(buffer, offset)` of each of them
-    (`scalar_rows`, else None), to be read an element at a time."""
+    (`scalar_rows`, else None), to be read an element at a time; `constants`: the buffers,
+    after the layout's, of the counts and rows known at trace time."""
 
-    __slots__ = ("keys", "scalar_rows")
+    __slots__ = ("keys", "scalar_rows", "constants")
 
-    def __init__(self, keys: tuple[tuple[Any, ...], ...]):
+    def __init__(self, keys: tuple[tuple[Any, ...], ...], constants: tuple[np.ndarray, ...]):
         self.keys = keys
         self.scalar_rows = tuple(map(_scalar_rows, keys))
+        self.constants = constants
 
 
 def _scalar_rows(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -69,25 +71,35 @@ def _row_plan(layout: Layout) -> RowPlan | None:
     index = jax.tree.unflatten(layout.treedef, list(range(len(places))))
     if index._nonfinite is not None:
         return None
+    # the counts and rows known at trace time (arrays in the treedef, not leaf indices) are
+    # read from buffers of their own, after the layout's
+    constants: list[np.ndarray] = []
+    first = 1 + max((i for i, *_ in places), default=-1)
+
+    def place(at: Any) -> _Place | None:
+        if at is None or isinstance(at, int):
+            return None if at is None else places[at]
+        constants.append(np.ravel(at))
+        return (first + len(constants) - 1, 0, np.shape(at))
+
     steps = index.steps
     keys = []
     for key, value in dict.items(index):
-        parts = [value, index.count[key], index.rows.get(key)]
+        parts = [value, *(x for x in (index.count[key], index.rows.get(key)) if isinstance(x, int))]
         parts += [at for per_key in steps.values() if (at := per_key.get(key)) is not None]
-        if not isinstance(value, int) or any(places[i][0] < 0 for i in parts if i is not None):
+        if not isinstance(value, int) or any(places[i][0] < 0 for i in parts):
             return None
-        row_at = index.rows.get(key)
         keys.append(
             (
                 key,
                 places[value],
-                places[index.count[key]],
-                None if row_at is None else places[row_at],
+                place(index.count[key]),
+                place(index.rows.get(key)),
                 tuple((n, places[per_key[key]]) for n, per_key in steps.items() if key in per_key),
                 index.reductions.get(key) == "Stack",
             )
         )
-    return RowPlan(tuple(keys))
+    return RowPlan(tuple(keys), tuple(constants))
 
 
 def _cut(buffers: list[np.ndarray], place: _Place) -> np.ndarray:
@@ -107,8 +119,8 @@ class HostRows:
     def records(self, warn: Any) -> list[Record]:
         """What `records(logs, warn)` gives for the LogDict these buffers unpack to, without
         the keys in `drop` (the same records, values and order)."""
-        buffers, drop, out = self.buffers, self.drop, []
-        plan = self.plan
+        plan, drop, out = self.plan, self.drop, []
+        buffers = [*self.buffers, *plan.constants] if plan.constants else self.buffers
         for (key, value_at, count_at, rows_at, steps_at, stack), scalar in zip(
             plan.keys, plan.scalar_rows
         ):

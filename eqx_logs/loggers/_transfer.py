@@ -60,7 +60,7 @@ def _fetch(
             continue  # (the counts alone, none of them an event)
         if isinstance(logs, Packed):
             # (its counts hold an event; one lane; no key to drop: else as below)
-            simple = logs.layout.counts is not None and not drop and np.ndim(runs) == 0
+            simple = not drop and np.ndim(runs) == 0
             plan = row_plan(logs.layout) if simple else None
             if plan is not None:  # its records are cut from the buffers (`HostRows`)
                 cut[i] = HostRows(plan, head, drop)
