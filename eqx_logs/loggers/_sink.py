@@ -319,8 +319,9 @@ def _joins(item: Any) -> int | None:
 class Feed:
     """Hands a `logger.jit` step's packed logs to the writer thread (in a single-process run),
     every call: what is the same for each call is worked out once (the run indices on the
-    host, the keys the backend cannot store, per layout). A plain class: it runs once per
-    training step, and its cost is the loop's."""
+    host, the keys the backend cannot store, per layout). A write of a step that logs
+    nothing (a layout without leaves) is handed over once, to open the runs, and then not
+    at all. A plain class: it runs once per training step, and its cost is the loop's."""
 
     __slots__ = (
         "sink",
@@ -333,6 +334,7 @@ class Feed:
         "layout",
         "rejected",
         "drop",
+        "fed",
     )
 
     def __init__(self, sink: Sink, state: LoggerState):
@@ -343,16 +345,20 @@ class Feed:
         self.layout: Layout | None = None
         self.rejected: dict[str, str] = {}
         self.drop: tuple[str, ...] = ()
+        self.fed = False  # (a write handed over: the runs are opened by it)
 
     def __call__(self, packed: Packed) -> None:
         writer = self.writer
         if self.runs is None:
             self.runs = to_host(self.state.run)
         writer.check()
+        if self.fed and not packed.layout.places:  # (nothing logged: nothing but opening)
+            return
         if packed.layout is not self.layout:
             self.rejected = self.sink.rejected_layout(packed.layout)
             self.layout, self.drop = packed.layout, tuple(self.rejected)
         item = (self.runs, packed, self.drop)
         writer.submit(self.write, item, packed.layout.nbytes, ready=self.ready, many=self.many)
+        self.fed = True
         if self.rejected:
             self.sink.reject(self.rejected)
