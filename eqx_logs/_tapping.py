@@ -218,13 +218,37 @@ class Tap(Handler):
         return peeled_scan(self, eqn, invals, states)
 
     def event(self, eqn, invals, states):
-        interp = self.interp
-        params = eqn.params
+        selected = self._selected(eqn, invals, states)
+        if selected is None:
+            return
+        items, steps, keys = selected
+        mask, lane = self._event_mask(eqn, invals)
+        groups = list(dict.fromkeys(self._group[k] for k in keys))
+        # (the counters as they were before this event)
+        tokens = [
+            *self._loop_tokens,
+            *(states[g] for g in groups if not isinstance(states[g], int)),
+        ]
+        wanted, mask = self._gate(groups, steps, mask, lane, states)
+        if not any(w is not False for w in wanted.values()):
+            return  # skipped by the interval, known at trace time
+        if self.blocks is not None:
+            guard = functools.reduce(jnp.logical_and, self._guards) if self._guards else None
+            for g, w in wanted.items():
+                mine = {k: items[k] for k in keys if self._group[k] == g}
+                self.blocks.add(states, g, w, mine, steps, mask, guard, [*tokens, self._lanes])
+            return
+        self._call_back({k: items[k] for k in keys}, steps, mask, wanted, tokens)
+
+    def _selected(self, eqn, invals, states) -> tuple[dict, dict, list] | None:
+        """The event's items and steps, and the keys this tap takes of it; None where it
+        takes none (the others are bound again, for an enclosing spool or tap)."""
+        interp, params = self.interp, eqn.params
         if not interp.plan.selects(params["tags"]):
             rebind(eqn, invals, interp.lanes.mask())  # not ours: an enclosing one's
-            return
+            return None
         if self._silent:  # the interval skips this event
-            return
+            return None
         n_leaves = params["treedef"].num_leaves
         items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
         steps = dict(zip(params["steps"], force(invals[n_leaves:])))
@@ -235,22 +259,24 @@ class Tap(Handler):
         passed = [k for k in items if k not in keys and not interp.plan.dropped(k)]
         if passed:
             rebind(eqn, invals, interp.lanes.mask(), keys=passed, rule=interp.rule_name)
-        if not keys:
-            return
-        mask = force(invals[-1:])[0] if params["masked"] else None
-        # Equinox's loops (`_lanes.py`): lanes with axes come from a vmap inside tap and mask
-        # the event; a scalar lane (a vmap outside) is a guard, and gates the counters.
-        lane = interp.lanes.mask()
+        return (items, steps, keys) if keys else None
+
+    def _event_mask(self, eqn, invals) -> tuple[Any, Any]:
+        """(mask, lane): where the event happened, and the guard of a vmap outside the tap.
+        Equinox's loops (`_lanes.py`): lanes with axes come from a vmap inside tap and mask
+        the event; a scalar lane (a vmap outside) is a guard, and gates the counters."""
+        mask = force(invals[-1:])[0] if eqn.params["masked"] else None
+        lane = self.interp.lanes.mask()
         if lane is not None and jnp.ndim(lane):
             mask = lane if mask is None else jnp.logical_and(mask, lane)
             lane = None
-        groups = list(dict.fromkeys(self._group[k] for k in keys))
-        wanted: dict[str, Any] = {}
-        tokens = [
-            *self._loop_tokens,
-            *(states[g] for g in groups if not isinstance(states[g], int)),
-        ]
-        period = interp.policy.interval
+        return mask, lane
+
+    def _gate(self, groups, steps, mask, lane, states) -> tuple[dict[Any, Any], Any]:
+        """The policy's interval: whether each group keeps the event (a bool where known at
+        trace time), its counter advanced in `states`; and the event's mask for the host."""
+        wanted: dict[Any, Any] = {}
+        period = self.interp.policy.interval
         by_step = period > 1 and INTERVAL_STEP in steps  # kept where step % k == 0
         # A step batched by a vmap inside the tap: the interval keeps each lane's own step, as
         # `jax.vmap(tap(f))` (and spool's `Store.gate`) would. The event goes to the host where
@@ -290,19 +316,12 @@ class Tap(Handler):
                 number = steps[INTERVAL_STEP] if by_step else count
                 wanted[g] = jnp.logical_and(happened, _multiple(number, period))
             states[g] = count + happened.astype(jnp.int32)
-        mask = shown
-        if not any(w is not False for w in wanted.values()):
-            return  # skipped by the interval, known at trace time
-        if self.blocks is not None:
-            guard = functools.reduce(jnp.logical_and, self._guards) if self._guards else None
-            for g, w in wanted.items():
-                mine = {k: items[k] for k in keys if self._group[k] == g}
-                self.blocks.add(states, g, w, mine, steps, mask, guard, [*tokens, self._lanes])
-            return
-        values = {k: items[k] for k in keys}
-        group_of = {k: self._group[k] for k in keys}
-        prefix, sink = interp.policy.prefix, self.sink
+        return wanted, shown
 
+    def _call_back(self, values, steps, mask, wanted, tokens) -> None:
+        """The event's host callback, behind a `cond` on the groups' flags unless known."""
+        group_of = {k: self._group[k] for k in values}
+        prefix, sink = self.interp.policy.prefix, self.sink
         group_list = list(wanted)
 
         def host(context, values, steps, meta, mask):
