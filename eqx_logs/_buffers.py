@@ -40,6 +40,21 @@ def _cast(x: Any, dtype: Any) -> Array:
     return x if getattr(x, "dtype", None) == dtype else jnp.asarray(x, dtype)
 
 
+def cast_event(x: Any, dtype: Any, key: str, site: str | None = None) -> Array:
+    """`_cast` of a leaf of an event of `key` to the key's dtype; where it is a Python
+    number (weakly typed: it takes the key's dtype) that does not fit, an error naming the
+    key and, if given, where it was logged."""
+    try:
+        return _cast(x, dtype)
+    except OverflowError as e:
+        raise OverflowError(
+            f"eqx_logs: key {key!r} holds {np.dtype(dtype)} (the dtype of its other events), "
+            f"and a Python number logged under it{f' at {site}' if site else ''} does not fit "
+            f"that dtype ({e}). Log an array of a dtype that holds every event, at every site "
+            "of the key."
+        ) from None
+
+
 def _write(buf: Array, rows: Array, start: Any) -> Array:
     """`rows` written into `buf` from row `start` (never negative: no wrap-around to
     compute)."""

@@ -21,7 +21,7 @@ from jax import lax
 
 from . import _compat, _lanes
 from ._branching import skippable
-from ._buffers import _cast
+from ._buffers import cast_event
 from ._deferred import Lazy, force, stop_gradient
 from ._interpret import site_list, widened
 
@@ -93,11 +93,14 @@ class Blocks:
         happened (`mask`, or None: all)."""
         values_struct, steps_struct, batch = self._structs[group]
 
-        def leaf(x, s):  # as its key's: cast, and broadcast along vmap axes it lacks
-            return widened(_cast(stop_gradient(force([x], memo)[0]), s.dtype), s.shape)
+        def leaf(key, x, s):  # as its key's: cast, and broadcast along vmap axes it lacks
+            return widened(cast_event(stop_gradient(force([x], memo)[0]), s.dtype, key), s.shape)
 
         row = {
-            "values": {k: jtu.tree_map(leaf, items[k], values_struct[k]) for k in values_struct},
+            "values": {
+                k: jtu.tree_map(functools.partial(leaf, k), items[k], values_struct[k])
+                for k in values_struct
+            },
             "steps": {n: _step(steps, n, s) for n, s in steps_struct.items()},
         }
         if batch:

@@ -388,3 +388,80 @@ def test_state_dtypes(x64, dtype_name):
             for o, w in zip(jax.tree.leaves(out), jax.tree.leaves(want)):
                 got, want_ = (o.dtype, o.shape), (np.asarray(w).dtype, np.shape(w))
                 assert got == want_, f"{dtype_name} {name}: finalize gives {got}, not {want_}"
+
+
+# -- Python numbers beside arrays under one key ----------
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16", "int8"])
+@pytest.mark.parametrize("reduce", ["stack", "mean", "sum", "max"])
+def test_python_numbers_take_their_keys_dtype_before_reducing(dtype_name, reduce):
+    """A Python number is weakly typed: logged under a key whose other events are arrays of
+    a dtype, it is that dtype (as `jnp.asarray(0.1, dtype)`) before it is stacked or
+    reduced; against numpy on the events so cast, eagerly, jitted and scanned."""
+    dtype = jnp.dtype(dtype_name)
+    python = 0.1 if jnp.issubdtype(dtype, jnp.floating) else 100
+    events = np.array([np.asarray(1.0, dtype), np.asarray(python, dtype)])
+    wide = events.astype(np.float64)
+    want = {
+        "stack": events,
+        "mean": wide.mean(),
+        "sum": wide.sum(),
+        "max": events.max(),
+    }[reduce]
+
+    def f(x):
+        el.log("k", jnp.asarray(1, dtype), reduce=None if reduce == "stack" else reduce)
+        el.log("k", python, reduce=None if reduce == "stack" else reduce)
+        return x
+
+    def scanned(x):
+        return lax.scan(lambda c, _: (f(c), None), x, None, length=1)[0]
+
+    for name, fun in {
+        "eager": el.spool(f),
+        "jit": jax.jit(el.spool(f)),
+        "scan": el.spool(scanned),
+    }.items():
+        _, logs = fun(jnp.float32(0.0))
+        got = np.asarray(logs["k"])
+        if reduce in ("stack", "max"):  # the events' dtype, exactly
+            assert got.dtype == dtype, (name, got.dtype)
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=1e-6, err_msg=name)
+
+
+def test_a_python_number_that_does_not_fit_its_keys_dtype_names_the_key_and_site():
+    def f(x):
+        el.log("k", jnp.int8(3))
+        el.log("k", 200)  # (no int8)
+        return x
+
+    for fun in (el.spool(f), jax.jit(el.spool(f))):
+        with pytest.raises(OverflowError, match=r"key 'k' holds int8.*test_dtypes\.py:\d+"):
+            fun(jnp.float32(0.0))
+    with pytest.raises(OverflowError, match="key 'k' holds int8"):
+        el.tap(f, callback=lambda logs, steps: None, buffer=4)(jnp.float32(0.0))
+
+
+def test_an_event_without_a_step_has_the_step_minus_one():
+    """A key whose sites log a step, all but one: that one's events get -1 (no step), in
+    every form and under `vmap`."""
+
+    def f(x):
+        el.log("k", x, step=5)
+        el.log("k", x + 1.0)
+
+        def body(c, i):
+            el.log("k", c, step=i)
+            el.log("k", c)
+            return c, None
+
+        lax.scan(body, x, jnp.arange(2, dtype=jnp.int32))
+        return x
+
+    want = [5, -1, 0, -1, 1, -1]
+    for fun in (el.spool(f), jax.jit(el.spool(f))):
+        _, logs = fun(jnp.float32(1.0))
+        assert np.asarray(logs.step["k"]).tolist() == want
+    _, logs = jax.vmap(el.spool(f))(jnp.arange(2.0))
+    assert np.asarray(logs.step["k"]).tolist() == [want, want]

@@ -115,7 +115,8 @@ class Spool(Handler):
         def fold(sub, leaves):
             for key in keys:
                 value = jtu.tree_map(lambda i: leaves[i], items[key])
-                sub[key] = store.fold(key, sub[key], store.event_of(key, value, steps), valid[key])
+                event = store.event_of(key, value, steps, params["site"])
+                sub[key] = store.fold(key, sub[key], event, valid[key])
             return sub
 
         lazy = any(isinstance(x, Lazy) for x in invals[:n_leaves])

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 
 from .. import _compat
-from .._buffers import NeedsBound, _cast
+from .._buffers import NeedsBound, cast_event
 from .._methods import method
 from .._policy import Policy
 from .._scope import INTERVAL_STEP
@@ -178,13 +178,17 @@ class Store:
             k: {c: self.settle_channel(k, c, s, arrays) for c, s in states[k].items()} for k in keys
         }
 
-    def event_of(self, key: str, value: Any, steps: dict[str, Any]) -> dict[str, Any]:
-        """One event of `key`, cast to its recorded types: the value and every step."""
+    def event_of(
+        self, key: str, value: Any, steps: dict[str, Any], site: str | None = None
+    ) -> dict[str, Any]:
+        """One event of `key`, cast to its recorded types: the value and every step. (`site`:
+        where it was logged, for the error where a Python scalar does not fit the type.)"""
         info = self.info[key]
         n = self.manual.local_axes(info)
+        leaves = jtu.tree_leaves(value)
+        cast = [cast_event(x, s.dtype, key, site) for x, s in zip(leaves, info.leaves)]
         leaves = [
-            self.manual.lead(info, widened(_cast(x, s.dtype), s.shape[n:]))
-            for x, s in zip(jtu.tree_leaves(value), info.leaves)
+            self.manual.lead(info, widened(x, s.shape[n:])) for x, s in zip(cast, info.leaves)
         ]
         event = {"value": jtu.tree_unflatten(info.treedef, leaves)}
         for name, s in info.steps.items():
