@@ -23,6 +23,7 @@ from ._reductions import (
     Sum,
     Var,
     _select,
+    nan_or_zero,
 )
 
 
@@ -64,8 +65,7 @@ def _write(buf: Array, rows: Array, start: Any) -> Array:
 
 
 def _empty(leaf: jax.ShapeDtypeStruct, n: int) -> Array:
-    fill = jnp.nan if jnp.issubdtype(leaf.dtype, jnp.inexact) else 0
-    return jnp.full((n, *leaf.shape), fill, leaf.dtype)
+    return jnp.full((n, *leaf.shape), nan_or_zero(leaf.dtype), leaf.dtype)
 
 
 class Stack(AbstractReduction):
@@ -324,7 +324,7 @@ class Sample(AbstractReduction):
         def combine(buf_a, buf_b):
             shape = (self.k,) + (1,) * (buf_a.ndim - 1)
             picked = jnp.where(take_a.reshape(shape), buf_a[order_a], buf_b[index_b])
-            fill = jnp.full_like(buf_a, jnp.nan if jnp.issubdtype(buf_a.dtype, jnp.inexact) else 0)
+            fill = jnp.full_like(buf_a, nan_or_zero(buf_a.dtype))
             return jnp.where((slots < draws).reshape(shape), picked, fill)
 
         buffer = jtu.tree_map(combine, a["stack"]["buffer"], b["stack"]["buffer"])

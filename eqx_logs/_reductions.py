@@ -117,7 +117,8 @@ def _select(valid, new: PyTree, old: PyTree) -> PyTree:
     return jtu.tree_map(lambda n, o: jnp.where(valid, n, o), new, old)
 
 
-def _nan_or_zero(dtype) -> Any:
+def nan_or_zero(dtype) -> Any:
+    """What fills a slot without an event: NaN for an inexact dtype, else 0."""
     return jnp.nan if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
@@ -169,7 +170,7 @@ class Last(AbstractReduction):
     """The latest event (NaN, or 0 for integers, if none happened), in the events' dtype."""
 
     def init(self, struct, max_events):
-        value = jtu.tree_map(lambda s: jnp.full(s.shape, _nan_or_zero(s.dtype), s.dtype), struct)
+        value = jtu.tree_map(lambda s: jnp.full(s.shape, nan_or_zero(s.dtype), s.dtype), struct)
         return {"value": value, "count": jnp.zeros((), jnp.int32)}
 
     def update(self, state, value, valid):
@@ -322,7 +323,7 @@ class _Extremum(AbstractReduction):
 
     def finalize(self, state):
         def out(v):
-            return jnp.where(state["count"] > 0, v, jnp.asarray(_nan_or_zero(v.dtype), v.dtype))
+            return jnp.where(state["count"] > 0, v, jnp.asarray(nan_or_zero(v.dtype), v.dtype))
 
         return jtu.tree_map(out, state["value"])
 
