@@ -22,8 +22,8 @@ from ._reductions import (
     Std,
     Sum,
     Var,
-    _select,
     nan_or_zero,
+    select_valid,
 )
 
 
@@ -409,7 +409,7 @@ class Window(AbstractReduction):
         )
         fresh = self.inner.init(struct, self.size)
         return {
-            "current": _select(done, fresh, current),
+            "current": select_valid(done, fresh, current),
             "position": jnp.where(done, 0, position),
             "windows": windows,
         }

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from . import _compat, _nnx
-from ._primitive import _call_site, bind, current_prefix, grad_tap
+from ._primitive import bind, call_site, current_prefix, grad_tap
 from ._spool import update_wrapper, without_missing
 from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
 
@@ -53,7 +53,7 @@ class _Options:
         backward-pass statistics attached to it)."""
         if not _compat.logging_enabled.value:
             return out  # outside a spool or tap: exactly the module's program
-        site = _call_site()
+        site = call_site()
         prefix = current_prefix()
         name = f"{prefix}/{self.path}" if prefix else self.path
         pair = _is_state_pair(out)

@@ -7,9 +7,9 @@ from typing import Any
 from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
-from ._log_checks import _check_reduce, _check_step, _check_value, _normalise_tags
-from ._primitive import _dropped, bind, grad_tap
-from ._scope import _call_site, _local, current_prefix
+from ._log_checks import check_reduce, check_step, check_value, normalise_tags
+from ._primitive import bind, grad_tap, warn_dropped
+from ._scope import call_site, current_prefix, local
 
 
 class _Missing:
@@ -61,7 +61,7 @@ def log(
         out, logs = eqx_logs.spool(f)(1.0)  # logs["x"] == [1.0], logs.step["x"] == [0]
         ```
     """
-    site = _call_site()
+    site = call_site()
     if data is None:  # `log(loss=x)`: a value passed as a step
         names = ", ".join(f"{k}=..." for k in steps)
         example = next(iter(steps), "loss")
@@ -83,8 +83,8 @@ def log(
             f"got {type(data).__name__}."
         )
     if reduce is not None:
-        _check_reduce(reduce, site)
-    tags = _normalise_tags(tags, site)
+        check_reduce(reduce, site)
+    tags = normalise_tags(tags, site)
     prefix = current_prefix()
     items = {}
     for key, val in data.items():
@@ -93,11 +93,11 @@ def log(
                 f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
                 f"got {key!r} of type {type(key).__name__}."
             )
-        _check_value(key, val, site)
+        check_value(key, val, site)
         items[f"{prefix}/{key}" if prefix else key] = val
-    step_vals = {name: _check_step(name, s, site) for name, s in steps.items()}
+    step_vals = {name: check_step(name, s, site) for name, s in steps.items()}
     if not _compat.logging_enabled.value:
-        _dropped(site, getattr(_local, "rule", None))  # a custom rule's, traced too late
+        warn_dropped(site, getattr(local, "rule", None))  # a custom rule's, traced too late
         return None
     bind(items, step_vals, tags=tags, reduce=reduce, site=site)
 
@@ -133,10 +133,10 @@ def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
         g, logs = eqx_logs.spool(jax.grad(loss))(w, x)  # logs["dh"][0] == d loss / d h
         ```
     """
-    site = _call_site()
+    site = call_site()
     if not isinstance(name, str) or not name:
         raise TypeError(f"eqx_logs.log_grad at {site} needs a non-empty string name, got {name!r}.")
-    _check_value(name, x, site)
+    check_value(name, x, site)
     if not _compat.logging_enabled.value:
         return x
     prefix = current_prefix()

@@ -19,7 +19,7 @@ def _is_arraylike(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
 
 
-def _check_value(key: str, value: Any, site: str) -> list[Any]:
+def check_value(key: str, value: Any, site: str) -> list[Any]:
     try:
         leaves = jtu.tree_leaves(value)
     except (ValueError, TypeError, RecursionError, SystemError) as e:  # JAX's own pytree errors
@@ -71,7 +71,7 @@ def _check_range(what: str, x: Any, site: str) -> None:
         )
 
 
-def _check_step(name: str, value: Any, site: str) -> jax.Array:
+def check_step(name: str, value: Any, site: str) -> jax.Array:
     if name in RESERVED_STEP_NAMES:
         raise ValueError(
             f"eqx_logs.log: step name {name!r} at {site} is reserved by LogDict and the "
@@ -92,7 +92,7 @@ def _check_step(name: str, value: Any, site: str) -> jax.Array:
     return jnp.asarray(value)
 
 
-def _check_reduce(reduce: Any, site: str) -> None:
+def check_reduce(reduce: Any, site: str) -> None:
     as_reduction(reduce, where=f"eqx_logs.log at {site}: reduce")
     try:
         hash(reduce)
@@ -103,7 +103,7 @@ def _check_reduce(reduce: Any, site: str) -> None:
         ) from None
 
 
-def _normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
+def normalise_tags(tags: Any, site: str) -> tuple[str, ...]:
     try:
         out = (tags,) if isinstance(tags, str) else tuple(tags)
     except TypeError:

@@ -21,12 +21,12 @@ from ._interpret import (
 )
 from ._policy import DROP, Policy
 from ._primitive import (
-    _call_site,
-    _check_step,
-    _check_value,
-    _normalise_tags,
     bind,
+    call_site,
+    check_step,
+    check_value,
     current_prefix,
+    normalise_tags,
     sow_p,
 )
 from ._reductions import Count
@@ -68,12 +68,12 @@ def sow(
         eqx_logs.plant(f, {"h": jnp.zeros(3)})(jnp.ones(3))  # [0., 0., 0.]
         ```
     """
-    site = _call_site()
+    site = call_site()
     if not isinstance(name, str) or not name:
         raise TypeError(f"eqx_logs.sow at {site} needs a non-empty string name, got {name!r}.")
-    _check_value(name, x, site)
-    tags = _normalise_tags(tags, site)
-    step_vals = {n: _check_step(n, s, site) for n, s in steps.items()}
+    check_value(name, x, site)
+    tags = normalise_tags(tags, site)
+    step_vals = {n: check_step(n, s, site) for n, s in steps.items()}
     if not _compat.logging_enabled.value:
         return x
     prefix = current_prefix()

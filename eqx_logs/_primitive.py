@@ -33,17 +33,17 @@ from ._deferred import force
 
 # (`x as x`: imported from here by the interpreters, `plant`, `instrument` and `log_stats`)
 from ._log_checks import (
-    _check_step as _check_step,
-    _check_value as _check_value,
-    _normalise_tags as _normalise_tags,
+    check_step as check_step,
+    check_value as check_value,
+    normalise_tags as normalise_tags,
 )
 from ._scope import (
-    _call_site as _call_site,
-    _local,
-    _no_context_steps,
+    call_site as call_site,
     current_prefix as current_prefix,
     current_steps,
+    local,
     logging_as as logging_as,
+    no_context_steps,
     note_steps,
     tracing_context as tracing_context,
     unwatched,
@@ -87,11 +87,11 @@ class _LogPrimitive(_compat.Primitive):
     def bind(self, *args, **params):
         if _compat.logging_enabled.value:
             return super().bind(*args, **params)
-        _dropped(params["site"], params["rule"])
+        warn_dropped(params["site"], params["rule"])
         return []
 
 
-def _dropped(site: str, rule: str | None) -> None:
+def warn_dropped(site: str, rule: str | None) -> None:
     if rule is not None:
         warnings.warn(_lost_message(site, rule), LostEventsWarning, stacklevel=3)
 
@@ -211,7 +211,7 @@ def rebind(
     computed only for logs (`Lazy`) are never computed."""
     params = dict(eqn.params)
     if not _compat.logging_enabled.value:
-        _dropped(params["site"], rule or params["rule"])
+        warn_dropped(params["site"], rule or params["rule"])
         return
     invals = force(invals)
     if mask is None and keys is None and rule is None and branch is None:
@@ -236,7 +236,7 @@ def rebind(
 
 def event_mask() -> tuple[Any, tuple[tuple[int, int], ...]] | None:
     """The mask and branches of `masked_events` around, if any."""
-    hit = getattr(_local, "event_mask", None)
+    hit = getattr(local, "event_mask", None)
     return None if hit is None else hit[:2]
 
 
@@ -248,17 +248,17 @@ def masked_events(mask: Any, branch: tuple[int, int] | None) -> Iterator[None]:
     traces apart from the branch (the backward rule, always), where the masking interpreter
     does not see their logs. Nested blocks combine. Part of the trace context: a function
     jitted inside is traced again for it."""
-    saved = getattr(_local, "event_mask", None)
+    saved = getattr(local, "event_mask", None)
     mask = jnp.asarray(mask, bool)
     branches = () if branch is None else (branch,)
     if saved is not None:
         mask, branches = jnp.logical_and(saved[0], mask), (*saved[1], *branches)
-    _local.event_mask = (mask, tuple(sorted(set(branches))), object())
+    local.event_mask = (mask, tuple(sorted(set(branches))), object())
     try:
         with tracing_context():
             yield
     finally:
-        _local.event_mask = saved
+        local.event_mask = saved
 
 
 def bind(
@@ -289,7 +289,7 @@ def bind(
         tags=tags,
         reduce=reduce,
         site=site,
-        rule=getattr(_local, "rule", None),
+        rule=getattr(local, "rule", None),
         nbatch=0,
         axis_names=(),
         masked=masked is not None,
@@ -331,7 +331,7 @@ def _grad_tap_fwd(items_of, site, tags, x, steps):
 
 def _grad_tap_bwd(items_of, site, tags, steps, ct):
     if _compat.logging_enabled.value:
-        with _no_context_steps(), unwatched():
+        with no_context_steps(), unwatched():
             bind(items_of(ct), steps, tags=tags, site=site, statistics=items_of.statistics)
     zeros = jtu.tree_map(lambda s: np.zeros(np.shape(s), jax.dtypes.float0), steps)
     return ct, zeros

@@ -111,7 +111,7 @@ class AbstractReduction(eqx.Module):
         return self
 
 
-def _select(valid, new: PyTree, old: PyTree) -> PyTree:
+def select_valid(valid, new: PyTree, old: PyTree) -> PyTree:
     if valid is True:
         return new
     return jtu.tree_map(lambda n, o: jnp.where(valid, n, o), new, old)
@@ -176,13 +176,13 @@ class Last(AbstractReduction):
     def update(self, state, value, valid):
         value = jtu.tree_map(lambda v, s: jnp.asarray(v, s.dtype), value, state["value"])
         return {
-            "value": _select(valid, value, state["value"]),
+            "value": select_valid(valid, value, state["value"]),
             "count": state["count"] + _count(valid),
         }
 
     def merge(self, a, b):
         return {
-            "value": _select(b["count"] > 0, b["value"], a["value"]),
+            "value": select_valid(b["count"] > 0, b["value"], a["value"]),
             "count": a["count"] + b["count"],
         }
 
@@ -273,7 +273,7 @@ class Mean(AbstractReduction):
         def step(m, v):
             return m + (_as(v, m.dtype) - m) / safe.astype(m.dtype)
 
-        mean = _select(valid, jtu.tree_map(step, state["mean"], value), state["mean"])
+        mean = select_valid(valid, jtu.tree_map(step, state["mean"], value), state["mean"])
         return {"mean": mean, "count": count}
 
     def update_many(self, state, values):
@@ -374,7 +374,7 @@ class Var(AbstractReduction):
 
         new = {"mean": mean, "m2": jtu.tree_map(m2, state["m2"], delta, value, mean)}
         old = {"mean": state["mean"], "m2": state["m2"]}
-        return {**_select(valid, new, old), "count": count}
+        return {**select_valid(valid, new, old), "count": count}
 
     def merge(self, a, b):
         na, nb = a["count"], b["count"]
@@ -441,7 +441,7 @@ class EMA(AbstractReduction):
 
         total = jtu.tree_map(step, state["total"], value)
         new = {"total": total, "weight": step(state["weight"], 1)}
-        return _select(valid, new, state)
+        return select_valid(valid, new, state)
 
     def merge(self, a, b):
         carry = 1 - b["weight"]  # decay ** (number of events in b)

@@ -12,16 +12,16 @@ from typing import Any
 from jaxtyping import ArrayLike
 
 from . import _compat
-from ._log_checks import _check_step
+from ._log_checks import check_step
 
-_local = threading.local()
+local = threading.local()
 _package_dir = os.path.dirname(os.path.abspath(__file__))
 
 
 def _scopes() -> list[str]:
-    if not hasattr(_local, "scopes"):
-        _local.scopes = []
-    return _local.scopes
+    if not hasattr(local, "scopes"):
+        local.scopes = []
+    return local.scopes
 
 
 @contextlib.contextmanager
@@ -57,13 +57,13 @@ def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None
     The prefix is applied when `log` is called (when the function is traced), so it is the
     same on every retrace: no counters are involved.
     """
-    site = _call_site()
+    site = call_site()
     if name is not None and (not isinstance(name, str) or not name or name.strip("/") != name):
         raise ValueError(
             f"eqx_logs.scope(name) needs a non-empty string without leading or trailing '/' "
             f"(or None), got {name!r}."
         )
-    checked = {n: _check_step(n, v, site) for n, v in steps.items()}
+    checked = {n: check_step(n, v, site) for n, v in steps.items()}
     if checked and not _compat.tracing():
         raise ValueError(
             f"eqx_logs.scope({', '.join(f'{n}=...' for n in steps)}) at {site} is entered "
@@ -88,9 +88,9 @@ def scope(name: str | None = None, /, **steps: int | ArrayLike) -> Iterator[None
 
 
 def _context_steps() -> list[tuple[dict[str, Any], tuple]]:
-    if not hasattr(_local, "steps"):
-        _local.steps = []
-    return _local.steps
+    if not hasattr(local, "steps"):
+        local.steps = []
+    return local.steps
 
 
 def current_steps() -> dict[str, Any]:
@@ -123,11 +123,11 @@ INTERVAL_STEP = "step"
 @contextlib.contextmanager
 def watching() -> Iterator[StepWatch]:
     """A `StepWatch` over the events traced inside the block."""
-    saved, _local.watch = getattr(_local, "watch", None), StepWatch()
+    saved, local.watch = getattr(local, "watch", None), StepWatch()
     try:
-        yield _local.watch
+        yield local.watch
     finally:
-        _local.watch = saved
+        local.watch = saved
 
 
 @contextlib.contextmanager
@@ -135,7 +135,7 @@ def call_step(step: Any) -> Iterator[None]:
     """Inside the block, `step` is the call's step: the step of every event without one of
     its own (a `scope(step=step)`), and what the enclosing `watching` compares events with."""
     with scope(**{INTERVAL_STEP: step}):
-        watch = getattr(_local, "watch", None)
+        watch = getattr(local, "watch", None)
         if watch is not None:
             watch.step = current_steps()[INTERVAL_STEP]  # (as `scope` checked it)
         yield
@@ -143,7 +143,7 @@ def call_step(step: Any) -> Iterator[None]:
 
 def note_steps(steps: dict[str, Any], site: str) -> None:
     """Tell the enclosing `watching`, if any, the steps of an event traced at `site`."""
-    watch = getattr(_local, "watch", None)
+    watch = getattr(local, "watch", None)
     if watch is not None and (watch.step is None or steps.get(INTERVAL_STEP) is not watch.step):
         watch.others.append(site)
 
@@ -152,11 +152,11 @@ def note_steps(steps: dict[str, Any], site: str) -> None:
 def unwatched() -> Iterator[None]:
     """Events traced inside the block were noted where they were written (a backward rule,
     whose steps travel as residuals: other traced values, the same steps)."""
-    saved, _local.watch = getattr(_local, "watch", None), None
+    saved, local.watch = getattr(local, "watch", None), None
     try:
         yield
     finally:
-        _local.watch = saved
+        local.watch = saved
 
 
 class _Traced:
@@ -167,7 +167,7 @@ class _Traced:
 
 def _context_key() -> tuple:
     key = tuple(key for _, key in _context_steps() if key)
-    masked = getattr(_local, "event_mask", None)  # `_primitive.masked_events`: by identity
+    masked = getattr(local, "event_mask", None)  # `_primitive.masked_events`: by identity
     return key if masked is None else (*key, ("<masked events>", masked[2]))
 
 
@@ -183,16 +183,16 @@ def logging_as(
     traces later, such as a custom derivative rule, logs as where it was written). `rule`
     names the custom rule whose events pass on: they are lost, with a `LostEventsWarning`,
     if no spool or tap captures them."""
-    scopes, old_rule = _scopes(), getattr(_local, "rule", None)
+    scopes, old_rule = _scopes(), getattr(local, "rule", None)
     saved = list(scopes)
     scopes[:] = prefix.split("/") if prefix else []
-    _local.rule = rule
+    local.rule = rule
     try:
-        with _no_context_steps(), tracing_context(enabled=enabled):
+        with no_context_steps(), tracing_context(enabled=enabled):
             yield
     finally:
         scopes[:] = saved
-        _local.rule = old_rule
+        local.rule = old_rule
 
 
 @contextlib.contextmanager
@@ -212,7 +212,7 @@ def tracing_context(enabled: bool | None = None) -> Iterator[None]:
 _contextlib_file = contextlib.__file__
 
 
-def _call_site() -> str:
+def call_site() -> str:
     """The user's file:line (function) that called into eqx_logs (a `with` statement, for
     `scope`)."""
     frame = sys._getframe(1)
@@ -227,7 +227,7 @@ def _call_site() -> str:
 
 
 @contextlib.contextmanager
-def _no_context_steps() -> Iterator[None]:
+def no_context_steps() -> Iterator[None]:
     """Without the steps of the `scope` blocks around: in a function JAX traces apart (a
     custom derivative rule), whose events carry what was captured where it was called."""
     saved = list(_context_steps())

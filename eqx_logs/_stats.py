@@ -12,12 +12,12 @@ from jaxtyping import Array, ArrayLike, PyTree
 
 from . import _branching, _compat, _lanes
 from ._primitive import (
-    _call_site,
-    _check_step,
-    _normalise_tags,
     bind,
+    call_site,
+    check_step,
     current_prefix,
     event_mask,
+    normalise_tags,
 )
 
 
@@ -359,14 +359,14 @@ def log_stats(
         loss, logs = eqx_logs.spool(step)(model, x, y)  # logs["grad/layers[0].weight/norm"]
         ```
     """
-    site = _call_site()
+    site = call_site()
     if not isinstance(name, str):
         raise TypeError(f"eqx_logs.log_stats at {site} needs a string name, got {name!r}.")
     stats = check_stats(stats, f"eqx_logs.log_stats at {site}")
     if not _compat.logging_enabled.value:
         return None  # nothing computed: the program is the one without the call
-    tags = _normalise_tags(tags, site)
-    step_vals = {n: _check_step(n, s, site) for n, s in steps.items()}
+    tags = normalise_tags(tags, site)
+    step_vals = {n: check_step(n, s, site) for n, s in steps.items()}
     items = leaf_statistics(name, tree, stats, site)
     if not items:
         raise ValueError(

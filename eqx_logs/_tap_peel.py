@@ -12,7 +12,7 @@ from jax import lax
 from . import _compat
 from ._interpret import INTERVAL_STEP, keys_of
 from ._primitive import is_log
-from ._rules import _split
+from ._rules import split_at
 from ._tap_blocks import BLOCK
 
 
@@ -73,7 +73,7 @@ def peeled_scan(tap: Any, eqn: Any, invals: list[Any], states: dict[str, Any]) -
     if _per_iteration(tap, body) != dict.fromkeys(groups, 1):
         return None
     unroll = options["unroll"]
-    consts, carry, xs = _split(invals, num_consts, num_carry)
+    consts, carry, xs = split_at(invals, num_consts, num_carry)
     head = min(-states[groups[0]] % period, length)
     blocks = (length - head) // period
     tail = length - head - blocks * period
@@ -148,7 +148,7 @@ def blocked_scan(tap: Any, eqn: Any, invals: list[Any], states: dict[str, Any]) 
     if _per_iteration(tap, body, stepped=True) != dict.fromkeys(groups, 1):
         return None
     size, unroll = blocks.size, options["unroll"]
-    consts, carry, xs = _split(invals, num_consts, num_carry)
+    consts, carry, xs = split_at(invals, num_consts, num_carry)
 
     def run(carry, xs_part, n):
         """`n` iterations: the carry, and the `ys` and each group's rows, stacked."""

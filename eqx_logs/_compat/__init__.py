@@ -67,9 +67,9 @@ from ._higher_order import (
     while_parts as while_parts,
 )
 from ._hoisting import (
-    _hoisting_codes as _hoisting_codes,  # tests/test_compat.py
-    _splitting_codes as _splitting_codes,  # tests/test_compat.py
+    hoisting_codes as hoisting_codes,  # tests/test_compat.py
     keep_in_loops as keep_in_loops,
+    splitting_codes as splitting_codes,  # tests/test_compat.py
 )
 from ._host import (
     HostEffect as HostEffect,

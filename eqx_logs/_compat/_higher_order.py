@@ -8,9 +8,9 @@ from jax._src import core as _core
 from jax._src.lax.control_flow import conditionals as _conditionals
 from jax.tree_util import tree_leaves as _tree_leaves
 
-from ._types import Jaxpr, JaxprEqn, _ClosedJaxpr
+from ._types import ClosedJaxprType, Jaxpr, JaxprEqn
 
-_HIGHER_ORDER = frozenset({"cond", "scan", "while", "pjit", "jit", "remat2", "checkpoint"})
+HIGHER_ORDER = frozenset({"cond", "scan", "while", "pjit", "jit", "remat2", "checkpoint"})
 INLINE_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "named_call", "eval_jaxpr"})
 # Outside vmap, a custom_vmap call is its function (under a vmap inside the spool, JAX has
 # already applied the rule).
@@ -149,6 +149,6 @@ def recomputes(eqn: JaxprEqn) -> bool:
 
 def close(jaxpr: Jaxpr, consts: Sequence[Any]) -> Any:
     """A jaxpr with its constants, in the form `unpack` reads."""
-    if _ClosedJaxpr is not None:
-        return _ClosedJaxpr(jaxpr, list(consts))
+    if ClosedJaxprType is not None:
+        return ClosedJaxprType(jaxpr, list(consts))
     return jaxpr.with_consts(list(consts)) if consts else jaxpr

@@ -13,7 +13,7 @@ from jax._src import ad_checkpoint as _ad_checkpoint, pjit as _pjit
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.lax.control_flow import conditionals as _conditionals, loops as _loops
 
-from ._higher_order import _HIGHER_ORDER
+from ._higher_order import HIGHER_ORDER
 from ._jaxprs import sub_jaxprs, unpack
 from ._types import Effect, Primitive
 
@@ -23,8 +23,8 @@ def _codes(module: Any, *names: str) -> set[Any]:
 
 
 # The innermost of these on the stack tells whether a partial-eval trace is a hoisting pass.
-_hoisting_codes = _codes(_loops, "_scan_known_hoisting", "_scan_partial_eval_custom")
-_splitting_codes = (
+hoisting_codes = _codes(_loops, "_scan_known_hoisting", "_scan_partial_eval_custom")
+splitting_codes = (
     _codes(_loops, "_scan_partial_eval", "_while_partial_eval")
     | _codes(_conditionals, "_cond_partial_eval")
     | _codes(_pjit, "_pjit_partial_eval")
@@ -35,9 +35,9 @@ _splitting_codes = (
 def _in_scan_hoisting() -> bool:
     frame = sys._getframe(1)
     while frame is not None:
-        if frame.f_code in _hoisting_codes:
+        if frame.f_code in hoisting_codes:
             return True
-        if frame.f_code in _splitting_codes:
+        if frame.f_code in splitting_codes:
             return False
         frame = frame.f_back
     return False
@@ -61,7 +61,7 @@ def keep_in_loops(log_prim: Primitive, effect_type: type[Effect]) -> None:
     _pe.custom_partial_eval_rules[log_prim] = log_rule
 
     for prim, rule in list(_pe.custom_partial_eval_rules.items()):
-        if prim.name in _HIGHER_ORDER:
+        if prim.name in HIGHER_ORDER:
             _pe.custom_partial_eval_rules[prim] = _keep_in_loop(prim, rule, effect_type)
 
 

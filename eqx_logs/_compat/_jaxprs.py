@@ -16,12 +16,12 @@ from jax._src.interpreters import ad as _ad, partial_eval as _pe
 from jax.tree_util import tree_leaves as _tree_leaves
 
 from ._higher_order import call_jaxpr
-from ._types import Effect, Jaxpr, JaxprEqn, _closed_types, _ClosedJaxpr
+from ._types import ClosedJaxprType, Effect, Jaxpr, JaxprEqn, closed_types
 
 
 def unpack(closed: Any) -> tuple[Jaxpr, list[Any]]:
     """`(jaxpr, consts)` of what `jax.make_jaxpr` returns or a sub-jaxpr found in params."""
-    if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
+    if ClosedJaxprType is not None and isinstance(closed, ClosedJaxprType):
         return closed.jaxpr, list(closed.consts)
     return closed, list(getattr(closed, "consts", ()))  # jax 0.12, or an open jaxpr
 
@@ -47,7 +47,7 @@ def staging() -> bool:
 
 
 def is_jaxpr(x: Any) -> bool:
-    return isinstance(x, _closed_types)
+    return isinstance(x, closed_types)
 
 
 # The objects that "hi" equations (`call_hi_primitive`) carry: `HiPrim` (jax 0.12; jax 0.10
@@ -181,7 +181,7 @@ def strip_jaxpr(closed: Any, is_log: Callable[[JaxprEqn], bool], effect: Effect)
     jaxpr, _ = unpack(closed)
     eqns = [strip_eqn(e, is_log, effect) for e in jaxpr.eqns if not is_log(e)]
     new = jaxpr.replace(eqns=eqns, effects=jaxpr.effects - {effect})
-    if _ClosedJaxpr is not None and isinstance(closed, _ClosedJaxpr):
+    if ClosedJaxprType is not None and isinstance(closed, ClosedJaxprType):
         return closed.replace(jaxpr=new)
     return new
 

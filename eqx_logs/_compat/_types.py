@@ -10,5 +10,5 @@ Primitive = _core.Primitive
 ShapedArray = _core.ShapedArray
 Effect = _effects.Effect
 # jax <= 0.11 wraps constants in a `ClosedJaxpr`; jax 0.12 attaches them to `Jaxpr` itself.
-_ClosedJaxpr = getattr(_core, "ClosedJaxpr", None)
-_closed_types = (Jaxpr,) if _ClosedJaxpr is None else (Jaxpr, _ClosedJaxpr)
+ClosedJaxprType = getattr(_core, "ClosedJaxpr", None)
+closed_types = (Jaxpr,) if ClosedJaxprType is None else (Jaxpr, ClosedJaxprType)

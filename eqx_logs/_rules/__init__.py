@@ -35,4 +35,4 @@ from . import (
 # isort: on
 from ._calls import inline_copy_apply as inline_copy_apply
 from ._shard_map import per_device_blocks as per_device_blocks
-from ._table import RULES as RULES, Rule as Rule, _split as _split, register as register
+from ._table import RULES as RULES, Rule as Rule, register as register, split_at as split_at

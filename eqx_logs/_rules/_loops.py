@@ -7,7 +7,7 @@ from jax import lax
 
 from .. import _compat, _lanes
 from .._interpret import Stream, unbounded
-from ._table import _split, register
+from ._table import register, split_at
 
 # -- scan: states ride in the carry -----------------------------------------------------------
 
@@ -22,7 +22,7 @@ def _scan_count(plan, eqn):
 
 def _scan_apply(interp, eqn, invals, states):
     body, num_consts, num_carry = _compat.scan_parts(eqn)
-    consts, init, xs = _split(invals, num_consts, num_carry)
+    consts, init, xs = split_at(invals, num_consts, num_carry)
     options = _compat.scan_options(eqn)
     handler = interp.handler
     # keys whose events leave as `ys` (`Handler.streamed`), the others ride in the carry
@@ -70,7 +70,7 @@ def _while_count(plan, eqn):
 
 def _while_apply(interp, eqn, invals, states):
     cond, cond_nconsts, body, body_nconsts = _compat.while_parts(eqn)
-    cond_consts, body_consts, init = _split(invals, cond_nconsts, body_nconsts)
+    cond_consts, body_consts, init = split_at(invals, cond_nconsts, body_nconsts)
     handler = interp.handler
     keys = dict.fromkeys([*handler.keys(cond), *handler.keys(body)])
     # carried values with a lane value (`_lanes.py`) carry it along, as an extra carry

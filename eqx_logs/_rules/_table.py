@@ -28,7 +28,7 @@ def register(names: str | Iterable[str], count, apply, **attributes: bool) -> No
         RULES[name] = Rule(count, apply, **attributes)
 
 
-def _split(xs, *sizes):
+def split_at(xs, *sizes):
     out, start = [], 0
     for n in sizes:
         out.append(list(xs[start : start + n]))

@@ -21,9 +21,9 @@ from ._jit import Donate, Jit, Last
 from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._sink import AbstractSink, Backend, Sink
-from ._state import LoggerState, _run_index
+from ._state import LoggerState, run_index
 from ._steps import AtStep, Gate, Skipping, StepArg
-from ._transfer import _nbytes, _one_process, _Packing
+from ._transfer import Packing, nbytes_of, one_process
 from ._writer import ON_FULL, STALL_TIMEOUT
 
 _T = TypeVar("_T")
@@ -196,7 +196,7 @@ class AbstractLogger(eqx.Module):
         """A new state. `key` picks the run: `None` is run 0, an integer is that run, and a
         `jax.random.key` gives a run index drawn from it. Vmap over keys or integers for one run
         per lane."""
-        return LoggerState(run=_run_index(key))
+        return LoggerState(run=run_index(key))
 
     def spool(
         self,
@@ -354,11 +354,11 @@ class AbstractLogger(eqx.Module):
         )
         if step is None:
             spooled = _spool(fun, policy=policy, keep=keep)
-            jitted, skip, gate = Jit(build(_Packing, spooled), donate), None, None
+            jitted, skip, gate = Jit(build(Packing, spooled), donate), None, None
         else:
             at = StepArg.of(fun, step, "logger.jit")
             spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
-            packing, last = build(_Packing, spooled), Last()
+            packing, last = build(Packing, spooled), Last()
             jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
             # (`first_nonfinite` looks at every event, those an interval skips too)
             if policy.interval > 1 and not policy.first_nonfinite:
@@ -481,17 +481,17 @@ def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | 
     sink.check()
     state = type(logger).init(logger) if state is None else state
     if isinstance(logs, Packed):
-        if _one_process() or all(x.is_fully_addressable for x in (*logs.buffers, *logs.large)):
+        if one_process() or all(x.is_fully_addressable for x in (*logs.buffers, *logs.large)):
             sink.submit(state, logs, logs.layout.nbytes)
             return
         logs = unpack(logs, list(logs.buffers))  # arrays of many processes, as below
     if _compat.tracing() or not (
-        _one_process()
+        one_process()
         or all(getattr(x, "is_fully_addressable", True) for x in jax.tree.leaves((state, logs)))
     ):  # (arrays of many processes: a program over their devices places the call)
         _compat.host_callback(sink.spool_host, state, logs, every_process=logger.every_process)
     else:
-        sink.submit(state, logs, _nbytes(logs))
+        sink.submit(state, logs, nbytes_of(logs))
 
 
 # What `logger.spool`, `logger.tap` and `logger.jit` return: pytrees of the wrapped function
@@ -563,7 +563,7 @@ class _LoggerJitted(eqx.Module):
                     return out
             else:
                 out, packed = self.jitted(*args, **kwargs)
-            if _one_process():
+            if one_process():
                 self.feed(packed)
             else:  # (arrays of many processes, maybe)
                 _write(self.logger, packed, self.state)

@@ -23,7 +23,7 @@ from ._packed import Layout, Packed, stand_in
 from ._prepared import Many
 from ._rows import HostRows
 from ._state import LoggerState
-from ._transfer import _fetch, _leaves, _nbytes
+from ._transfer import fetch_writes, host_leaves, nbytes_of
 from ._writer import Writer
 
 _NONFINITE_RUNS = "nonfinite-runs"  # `Sink.memo`'s key: the runs reported non-finite
@@ -150,7 +150,7 @@ class Sink(AbstractSink):
         self.many: Many | None = None  # (set by `bind`)
         self.writer = Writer("logger", finish=self._finish)
         # the writer thread's fetch of the writes queued in a row (`Writer.submit`'s `ready`)
-        self._ready = functools.partial(_fetch, opened=self.handles)
+        self._ready = functools.partial(fetch_writes, opened=self.handles)
 
     def bind(self, backend: Backend) -> None:
         self.backend, self.submit = backend, backend.submit_logs or self.submit_logs
@@ -174,7 +174,7 @@ class Sink(AbstractSink):
     def submit_logs(
         self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
     ) -> None:
-        """The writer thread fetches `logs` (`_fetch`) and writes them (`_write_logs`).
+        """The writer thread fetches `logs` (`fetch_writes`) and writes them (`_write_logs`).
         Values the backend cannot store are named here, from their types and shapes."""
         rejected = {}
         if isinstance(logs, Packed):  # the same for every call of a step
@@ -184,7 +184,7 @@ class Sink(AbstractSink):
             if rejected:
                 logs, size = logs._without(rejected), None
         if size is None:
-            size = _nbytes(logs)
+            size = nbytes_of(logs)
         drop = tuple(rejected) if isinstance(logs, Packed) else ()
         item = (state.run, logs, drop)
         self.writer.submit(self._write_logs, item, size, ready=self._ready, many=self.many)
@@ -224,7 +224,7 @@ class Sink(AbstractSink):
             shape = np.shape(leaf)[1:] if key in logs.rows else np.shape(leaf)
             return np.broadcast_to(host_array(np.zeros((), leaf.dtype)), shape)
 
-        leaves = ((k, row(k, x)) for k, v in logs.items() for x in _leaves(v))
+        leaves = ((k, row(k, x)) for k, v in logs.items() for x in host_leaves(v))
         return self._rejected(leaves)
 
     def _rejected(self, leaves: Iterable[tuple[str, np.ndarray]]) -> dict[str, str]:
@@ -245,7 +245,7 @@ class Sink(AbstractSink):
     # --- on the writer thread ----------------------------------------------------------------
 
     def _write_logs(self, item: tuple[np.ndarray, LogDict | HostRows | None]) -> None:
-        """Write fetched logs (`_fetch`), one run per lane of a state under `vmap` (a run
+        """Write fetched logs (`fetch_writes`), one run per lane of a state under `vmap` (a run
         written nothing is opened all the same); keep the `first_nonfinite` report for the
         caller."""
         runs, logs = item
@@ -310,7 +310,7 @@ class Sink(AbstractSink):
 
 
 def _joins(item: Any) -> int | None:
-    """`Many.joins` of a fetched `logger.jit` write (`_fetch`): its run where its records
+    """`Many.joins` of a fetched `logger.jit` write (`fetch_writes`): its run where its records
     are cut from its buffers (`HostRows`, one lane); None otherwise (written alone)."""
     runs, logs = item
     return int(runs) if isinstance(logs, HostRows) else None

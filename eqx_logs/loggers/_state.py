@@ -13,7 +13,7 @@ class LoggerState(eqx.Module):
     run: Int[Array, ""]
 
 
-def _run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
+def run_index(key: PRNGKeyArray | ArrayLike | None) -> Int[Array, ""]:
     if key is None:
         return jnp.int32(0)
     key = jnp.asarray(key) if not isinstance(key, jax.Array) else key

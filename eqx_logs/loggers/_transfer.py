@@ -1,6 +1,6 @@
 """Logs on their way from the device to a logger's writer thread: a jitted step's logs
-packed into a few buffers (`_Packing`, for `logger.jit`), the size of a write, and the fetch
-of the writes queued in a row (`_fetch`, on the writer thread)."""
+packed into a few buffers (`Packing`, for `logger.jit`), the size of a write, and the fetch
+of the writes queued in a row (`fetch_writes`, on the writer thread)."""
 
 import functools
 import math
@@ -20,22 +20,22 @@ from ._rows import HostRows, row_plan
 
 
 @functools.cache
-def _one_process() -> bool:
+def one_process() -> bool:
     # (asked once arrays exist, so after any `jax.distributed.initialize`)
     return jax.process_count() == 1
 
 
-def _nbytes(logs: LogDict) -> int:
+def nbytes_of(logs: LogDict) -> int:
     """Roughly the bytes `logs` holds: its values' (counts and steps are a few more)."""
-    leaves = map(_leaves, logs.values())
+    leaves = map(host_leaves, logs.values())
     return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for xs in leaves for x in xs)
 
 
-def _leaves(value: Any) -> list[Any]:
+def host_leaves(value: Any) -> list[Any]:
     return [np.asarray(x) if not hasattr(x, "dtype") else x for x in jax.tree.leaves(value)]
 
 
-def _fetch(
+def fetch_writes(
     items: list[tuple[Any, LogDict | Packed, tuple[str, ...]]], opened: Container[int] = ()
 ) -> list[Any]:
     """On the writer thread, before the backend's turn: wait for the device, then fetch the
@@ -86,7 +86,7 @@ def _fetch(
 
 
 def _head(logs: LogDict | Packed) -> Any:
-    """What `_fetch` reads of every write first: the counts; for a packed write, the buffer
+    """What `fetch_writes` reads of every write first: the counts; for a packed write, the buffer
     that holds them (or every buffer)."""
     if not isinstance(logs, Packed):
         return logs.count
@@ -95,7 +95,7 @@ def _head(logs: LogDict | Packed) -> Any:
     return list(logs.buffers)
 
 
-class _Packing(eqx.Module):
+class Packing(eqx.Module):
     spooled: Callable
 
     @property
