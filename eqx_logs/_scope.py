@@ -116,7 +116,7 @@ class StepWatch:
         self.others: list[str] = []
 
 
-# The step `interval` selects by (`_interpret/_store.py`).
+# The step `interval` selects by (`_interpret/_spool/_store.py`).
 INTERVAL_STEP = "step"
 
 

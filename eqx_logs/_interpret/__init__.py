@@ -2,7 +2,6 @@
 evaluator, handlers plugged into it, and the pieces they share. See README.md here."""
 
 from .._scope import INTERVAL_STEP as INTERVAL_STEP
-from ._advice import warn_unmatched as warn_unmatched
 from ._evaluator import Interpreter as Interpreter
 from ._handler import Handler as Handler, Stream as Stream
 from ._keys import (
@@ -17,6 +16,5 @@ from ._plan import (
     max_counts as max_counts,
     unbounded as unbounded,
 )
-from ._spooling import Spool as Spool
-from ._store import memory_limit as memory_limit
+from ._spool import Spool as Spool, memory_limit as memory_limit, warn_unmatched as warn_unmatched
 from ._values import known as known, vmap_n as vmap_n, widened as widened

@@ -14,7 +14,7 @@ class Rule(NamedTuple):
     straight: bool = False
     # Its jaxpr is evaluated again in the backward pass (a remat): so are its callbacks.
     recomputed: bool = False
-    # A `lax.scan`: its events may leave as its `ys` (`_interpret/_stream.py`).
+    # A `lax.scan`: its events may leave as its `ys` (`_interpret/_spool/_stream.py`).
     scan: bool = False
     # A custom derivative: its rules, traced by JAX later, may log where its primal does not.
     custom: bool = False

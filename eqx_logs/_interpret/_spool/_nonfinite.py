@@ -7,10 +7,10 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _lanes
-from .._primitive import BACKWARD_TAG
-from .._stats import overflows
-from ._keys import site_list
+from ... import _lanes
+from ..._primitive import BACKWARD_TAG
+from ..._stats import overflows
+from .._keys import site_list
 from ._store import Store
 
 # The state of `Policy.first_nonfinite`, threaded with the keys' states (`Spool.keys`).

@@ -14,16 +14,16 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 from jax import lax
 
-from .. import _compat, _lanes
-from .._buffers import Stack
-from .._methods import method
-from .._primitive import is_log
-from ._handler import Stream
-from ._keys import keys_of
-from ._lane_context import LaneContext
-from ._plan import Plan
+from ... import _compat, _lanes
+from ..._buffers import Stack
+from ..._methods import method
+from ..._primitive import is_log
+from .._handler import Stream
+from .._keys import keys_of
+from .._lane_context import LaneContext
+from .._plan import Plan
+from .._values import counter, plus, stop_gradients, vmap_n
 from ._store import FRESH, STREAM, Pending, Store
-from ._values import counter, plus, stop_gradients, vmap_n
 
 
 class Streaming(Stream):

@@ -10,22 +10,22 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from .. import _branching, _lanes
-from .._deferred import Lazy, force
-from .._logdict import LogDict
-from .._methods import method
-from .._policy import Policy
-from .._primitive import rebind
-from ._evaluator import Interpreter
-from ._handler import Handler, Stream
-from ._manual import check_across, merge_across
+from ... import _branching, _lanes
+from ..._deferred import Lazy, force
+from ..._logdict import LogDict
+from ..._methods import method
+from ..._policy import Policy
+from ..._primitive import rebind
+from .._evaluator import Interpreter
+from .._handler import Handler, Stream
+from .._manual import check_across, merge_across
+from .._values import known as _known, vmap_n
 from ._nonfinite import FIRST, FirstNonfinite
 from ._store import Store
 from ._stream import Streaming, streamed
-from ._values import known as _known, vmap_n
 
 if TYPE_CHECKING:
-    from .._rules import Rule
+    from ..._rules import Rule
 
 
 class Spool(Handler):

@@ -1,11 +1,11 @@
 """Advice after a run: what in the policy most likely holds a typo, and step-less keys that
 `interval` numbers per call (warned at the user's call)."""
 
-from .._policy import Policy, unmatched
-from .._scope import INTERVAL_STEP
-from .._warn import warn_user
-from ._keys import site_list
-from ._plan import Plan
+from ..._policy import Policy, unmatched
+from ..._scope import INTERVAL_STEP
+from ..._warn import warn_user
+from .._keys import site_list
+from .._plan import Plan
 from ._store import Store
 
 

@@ -19,15 +19,15 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from .. import _compat
-from .._buffers import NeedsBound, cast_event
-from .._methods import method
-from .._policy import Policy
-from .._scope import INTERVAL_STEP
-from ._keys import KeyInfo, site_list
-from ._manual import ManualAxes
-from ._plan import Plan
-from ._values import as_array, counter, known, plus, stop_gradients, vmap_n, widened
+from ... import _compat
+from ..._buffers import NeedsBound, cast_event
+from ..._methods import method
+from ..._policy import Policy
+from ..._scope import INTERVAL_STEP
+from .._keys import KeyInfo, site_list
+from .._manual import ManualAxes
+from .._plan import Plan
+from .._values import as_array, counter, known, plus, stop_gradients, vmap_n, widened
 
 # With `interval=k`, events that carry the step `INTERVAL_STEP` are kept where it is a multiple
 # of k (in a per-step training loop, one jitted call per step, only the step can tell).
