@@ -24,6 +24,7 @@ over the devices.
 import os
 import sys
 import tempfile
+import time
 
 # Before JAX starts: this many CPU devices per process (a GPU or TPU host has its own).
 _processes = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("train.processes=")), 1)
@@ -95,7 +96,9 @@ def connect(mesh) -> None:
     the mesh. Gloo, which carries the CPU collectives between processes, prints `[Gloo] Rank
     <r> is connected to <n> peer ranks...` for each device as it connects, from C++, straight
     to the process's standard output, with no setting to turn it off: those lines are kept
-    out of the output; anything else printed meanwhile is passed on."""
+    out of the output; anything else printed meanwhile is passed on. Gloo prints from its own
+    threads, possibly after the collective returns: the output stays caught until a whole
+    line has come for each of this process's devices (or 10 s have passed)."""
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile("w+") as caught:
@@ -105,12 +108,21 @@ def connect(mesh) -> None:
                 np.ones(jax.device_count(), np.float32), NamedSharding(mesh, P("d"))
             )
             jax.block_until_ready(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones))
+            deadline = time.monotonic() + 10.0
+            while _gloo_lines(caught) < jax.local_device_count() and time.monotonic() < deadline:
+                time.sleep(0.01)
         finally:
             os.dup2(saved, 1)
             os.close(saved)
         caught.seek(0)
         rest = [line for line in caught if not line.startswith("[Gloo] Rank ")]
     sys.stdout.write("".join(rest))
+
+
+def _gloo_lines(caught) -> int:
+    """The whole `[Gloo] Rank ...` lines written to `caught` so far."""
+    caught.seek(0)
+    return sum(line.startswith("[Gloo] Rank ") and line.endswith("\n") for line in caught)
 
 
 @hydra.main(config_path="conf", config_name="distributed", version_base="1.3")
