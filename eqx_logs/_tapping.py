@@ -162,7 +162,7 @@ class Tap(Handler):
     def run(self, closed: Any, args: Any) -> list[Any]:
         interp = self.interp
         plan = interp.plan
-        counts = plan.count(closed)
+        counts = plan.program(closed)
         kept = [k for k in counts if not plan.dropped(k)]
         # Keys logged by exactly the same log equations always have the same number of events,
         # so they share one event counter: fewer scalar ops in every loop iteration.

@@ -1,7 +1,10 @@
 """What the plan learns about each key: its `KeyInfo`, unified over all its log sites.
 
-`record` adds one log equation's sites to the keys' records and checks that they agree (shape,
-dtype, pytree structure, steps, vmap and mesh axes), naming both call sites where they do not.
+The plan first collects every log equation's `Site` of each key (`sites_of`), then `merge`s
+each key's sites once, with all of them in hand: the layout (batch axes, lanes as events) is
+decided from all of them, and every site is checked against it (shape, dtype, pytree
+structure, steps, vmap and mesh axes), naming both call sites where two disagree. The records
+are not changed afterwards.
 """
 
 import dataclasses
@@ -45,24 +48,6 @@ class KeyInfo:
     def axis_names(self) -> tuple[Any, ...]:
         """A name per batch axis: the mesh axes, then the vmap axes (`across` merges these)."""
         return self.mesh + self.lane_names
-
-    def to_lanes_as_events(self) -> None:
-        batch = self.batch_shape()
-        self.leaves = [jax.ShapeDtypeStruct(s.shape[self.nbatch :], s.dtype) for s in self.leaves]
-        self.steps = {n: _unbatched(s, batch) for n, s in self.steps.items()}
-        self.specs = [None if spec is None else spec[self.nbatch :] for spec in self.specs]
-        self.nbatch, self.lanes_as_events, self.lane_names = 0, True, ()
-
-    def widen(self, batch: tuple[int, ...], names: tuple[Any, ...]) -> None:
-        """Give the unbatched key the vmap axes `batch`: a site logs it batched (or under a
-        batched mask) where its earlier sites are unbatched. Their events are broadcast along
-        the axes (`broadcast_site`)."""
-        self.leaves = [jax.ShapeDtypeStruct(batch + s.shape, s.dtype) for s in self.leaves]
-        self.steps = {
-            n: jax.ShapeDtypeStruct(batch + s.shape, s.dtype) for n, s in self.steps.items()
-        }
-        self.specs = [None if p is None else (None,) * len(batch) + p for p in self.specs]
-        self.nbatch, self.lane_names = len(batch), names
 
     def shard_like_values(self, state: Any) -> Any:
         """`state` (of the value channel) with each leaf that holds values of a sharded leaf
@@ -221,17 +206,37 @@ def check_rule_dtypes(infos: dict[str, KeyInfo], closed: Any, name: str) -> None
                 )
 
 
-def record(
-    infos: dict[str, KeyInfo],
-    eqn: _compat.JaxprEqn,
-    manual: tuple[tuple[str, int], ...],
-    devices: Any,
-    across: tuple[Any, ...],
-) -> list[str]:
-    """Add the sites of the log equation `eqn` to the records of its keys (`infos`), checking
-    that they agree with the key's earlier sites; returns its keys. `manual`: the manual mesh
-    axes (names and sizes) of the shard_maps around it, on the `jax.sharding.Mesh` `devices`;
-    `across`: the policy's."""
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """One log equation's view of one key: what `merge` unifies. Shapes include the batch
+    axes the site logs under (the mesh axes first, then its vmaps': `nbatch` in all)."""
+
+    site: str
+    treedef: Any
+    leaves: tuple[jax.ShapeDtypeStruct, ...]
+    weak: tuple[bool, ...]
+    steps: dict[str, jax.ShapeDtypeStruct]
+    nbatch: int
+    names: tuple[Any, ...]  # the vmap axis names
+    reduce: Any
+    specs: tuple[tuple[Any, ...] | None, ...]
+    spec_mesh: Any
+    mesh: tuple[str, ...]
+    devices: Any
+
+    def batch(self) -> tuple[int, ...]:
+        return self.leaves[0].shape[: self.nbatch]
+
+    def events(self) -> list[tuple[int, ...]]:
+        """Each leaf's shape after the batch axes."""
+        return [s.shape[self.nbatch :] for s in self.leaves]
+
+
+def sites_of(
+    eqn: _compat.JaxprEqn, manual: tuple[tuple[str, int], ...], devices: Any
+) -> dict[str, Site]:
+    """The `Site` of each key of the log equation `eqn`. `manual`: the manual mesh axes
+    (names and sizes) of the shard_maps around it, on the `jax.sharding.Mesh` `devices`."""
     params = eqn.params
     treedef, site = params["treedef"], params["site"]
     n_leaves = treedef.num_leaves
@@ -239,119 +244,159 @@ def record(
     mesh = tuple(name for name, _ in manual)
     lead = tuple(size for _, size in manual)
     avals = [v.aval.update(shape=lead + v.aval.shape) if lead else v.aval for v in eqn.invars]
-    items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
     steps = {
         name: jax.ShapeDtypeStruct(a.shape, a.dtype)
         for name, a in zip(params["steps"], avals[n_leaves : n_leaves + len(params["steps"])])
     }
-    nb = len(lead) + params["nbatch"]
-    for key, positions in items.items():
-        sub_leaves, sub_def = jtu.tree_flatten(positions)
-        info = infos.get(key)
-        if info is None:
-            infos[key] = KeyInfo(
-                treedef=sub_def,
-                leaves=[jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in sub_leaves],
-                weak=[bool(getattr(avals[i], "weak_type", False)) for i in sub_leaves],
-                steps=dict(steps),
-                sites=[site],
-                nbatch=nb,
-                reduce=[(site, params["reduce"])],
-                specs=[None if mesh else _compat.explicit_spec(avals[i]) for i in sub_leaves],
-                spec_mesh=next(
-                    (avals[i].sharding.mesh for i in sub_leaves if _compat.explicit_spec(avals[i])),
-                    None,
-                ),
-                mesh=mesh,
-                devices=devices,
-                lane_names=params["axis_names"],
-            )
-            continue
-        if info.mesh != mesh:
-            where = f"inside a shard_map over {mesh}" if mesh else "outside any shard_map"
-            there = f"inside a shard_map over {info.mesh}" if info.mesh else "outside"
-            raise ValueError(
-                f"eqx_logs: key {key!r} is logged {where} at {site}, and {there} at "
-                f"{site_list(info.sites)}. Each device reduces the events it logs inside a "
-                "shard_map (or pmap) on its own, so those events cannot share a key with "
-                "others: give them a key of their own."
-            )
-        names = params["axis_names"]
-        if names != info.lane_names and set(across) & {*names, *info.lane_names}:
-            raise ValueError(
-                f"eqx_logs.spool(across={across!r}): key {key!r} is logged "
-                f"under vmap axes {names} at {site} and {info.lane_names} at "
-                f"{site_list(info.sites)}, so its lanes cannot be merged over one axis. "
-                "Log it under the same vmaps everywhere, or give the sites keys of their own."
-            )
-        if info.treedef != sub_def:
-            raise ValueError(
-                f"eqx_logs: key {key!r} is logged with pytree structure {sub_def} at {site} "
-                f"and {info.treedef} at {site_list(info.sites)}. Every event of one key must "
-                "have the same structure."
-            )
-        key_avals, key_steps, key_nb = avals, steps, nb
-        if nb != info.nbatch and not mesh and not info.lanes_as_events:
-            key_avals, key_steps, key_nb = broadcast_site(info, avals, sub_leaves, steps, nb, names)
-        batch = key_avals[sub_leaves[0]].shape[:key_nb]
-        if (
-            not info.lanes_as_events
-            and key_nb
-            and key_nb == info.nbatch
-            and batch != info.batch_shape()
-            and all(
-                key_avals[i].shape[key_nb:] == s.shape[key_nb:]
-                for i, s in zip(sub_leaves, info.leaves)
-            )
-        ):
-            info.to_lanes_as_events()
-        if info.lanes_as_events:  # compare one lane of this site's events
-            key_steps = {n: _unbatched(s, batch) for n, s in key_steps.items()}
-        why = ""
-        if key_nb != info.nbatch and not mesh and not info.mesh and not info.lanes_as_events:
-            why = _vmap_depth_hint(info, key_nb, site)
-        for j, i in enumerate(sub_leaves):
-            a = key_avals[i]
-            shape = a.shape[key_nb:] if info.lanes_as_events else a.shape
-            weak = getattr(a, "weak_type", False)
-            _merge_leaf(key, info, j, shape, a.dtype, weak, site, why)
-        for name, s in key_steps.items():
-            if name in info.steps and info.steps[name].shape != s.shape:
+    out = {}
+    for key, positions in jtu.tree_unflatten(treedef, list(range(n_leaves))).items():
+        at, sub_def = jtu.tree_flatten(positions)
+        specs = tuple(None if mesh else _compat.explicit_spec(avals[i]) for i in at)
+        out[key] = Site(
+            site=site,
+            treedef=sub_def,
+            leaves=tuple(jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in at),
+            weak=tuple(bool(getattr(avals[i], "weak_type", False)) for i in at),
+            steps=steps,
+            nbatch=len(lead) + params["nbatch"],
+            names=params["axis_names"],
+            reduce=params["reduce"],
+            specs=specs,
+            spec_mesh=next((avals[i].sharding.mesh for i, p in zip(at, specs) if p), None),
+            mesh=mesh,
+            devices=devices,
+        )
+    return out
+
+
+def merge(key: str, sites: Sequence[Site], across: tuple[Any, ...]) -> KeyInfo:
+    """The record of `key`, logged at `sites` (all of them, in the order the plan met them):
+    its layout decided once from all of them, then each site checked against it. Raises an
+    error naming both call sites where two disagree; `across`: the policy's."""
+    first = sites[0]
+    for s in sites[1:]:
+        _check_same(key, first, s, across)
+    lanes = _lanes_as_events(sites)
+    # The layout's batch axes: the first batched site's, unless lanes are events. An
+    # unbatched site whose events are shaped as the key's is broadcast along them.
+    target = None if lanes else next((s for s in sites if s.nbatch), None)
+    ref = target or first
+    nbatch = 0 if target is None else target.nbatch
+    info = KeyInfo(
+        treedef=first.treedef,
+        leaves=[],
+        weak=list(ref.weak),
+        steps={},
+        sites=[ref.site],
+        nbatch=nbatch,
+        reduce=[(s.site, s.reduce) for s in sites],
+        specs=_specs(first, nbatch, lanes),
+        lanes_as_events=lanes,
+        mesh=first.mesh,
+        devices=first.devices,
+        spec_mesh=first.spec_mesh,
+        lane_names=() if target is None else target.names,
+    )
+    shapes, _, _ = _laid_out(info, ref, target)
+    info.leaves = [jax.ShapeDtypeStruct(sh, x.dtype) for sh, x in zip(shapes, ref.leaves)]
+    for s in sites:
+        shapes, steps, why = _laid_out(info, s, target)
+        for j, (shape, x, weak) in enumerate(zip(shapes, s.leaves, s.weak)):
+            _merge_leaf(key, info, j, shape, x.dtype, weak, s.site, why)
+        for name, st in steps.items():
+            if name in info.steps and info.steps[name].shape != st.shape:
                 raise ValueError(
-                    f"eqx_logs: step {name!r} of key {key!r} has shape {s.shape} at {site} "
+                    f"eqx_logs: step {name!r} of key {key!r} has shape {st.shape} at {s.site} "
                     f"but {info.steps[name].shape} at {site_list(info.sites)}."
                 )
-            info.steps.setdefault(name, s)
-        info.sites.append(site)
-        info.reduce.append((site, params["reduce"]))
-    return list(items)
+            info.steps.setdefault(name, st)
+        if s is not ref:
+            info.sites.append(s.site)
+    info.sites = [s.site for s in sites]
+    return info
 
 
-def broadcast_site(info: KeyInfo, avals, leaves: list[int], steps, nb: int, names):
-    """A site that logs a key unbatched where its other sites are batched, or the other
-    way round: under `spool(vmap(f))`, a value vmap leaves unbatched (a loop index)
-    logged both outside and inside a cond whose predicate is batched (the mask batches
-    the second). The key takes the batch, and the unbatched site's avals and steps are
-    returned as broadcast to it (its events are, in `_event_of`), as each lane of
-    `jax.vmap(spool(f))` sees them. Only where the shapes differ as they are and agree
-    after the batch axes (a key whose unbatched site logs a whole batch, shaped as the
-    batched site's, is left as it was); and not for a site batched over some of the
-    key's vmaps but not all (unnamed vmap axes cannot be told apart): the shapes are
-    then compared as they are. `leaves` are the positions of the key's leaves in
-    `avals`."""
-    shapes = [avals[i].shape for i in leaves]
-    if shapes == [s.shape for s in info.leaves]:
-        return avals, steps, nb
-    events = [s.shape[info.nbatch :] for s in info.leaves]
-    if info.nbatch == 0 and [shape[nb:] for shape in shapes] == events:
-        info.widen(shapes[0][:nb], names)
-        return avals, steps, nb
-    if nb == 0 and shapes == events:
-        lead = info.batch_shape()
-        avals = [a.update(shape=lead + a.shape) for a in avals]
-        steps = {n: jax.ShapeDtypeStruct(lead + s.shape, s.dtype) for n, s in steps.items()}
-        return avals, steps, info.nbatch
-    return avals, steps, nb
+def check_late(key: str, info: KeyInfo, sites: Sequence[Site], site: Site, across) -> None:
+    """Check `site` of `key`, in a jaxpr traced after the records were frozen (a custom
+    derivative rule, traced when JAX differentiates), against the key's record `info`, merged
+    from `sites`: it must fit the layout as it is (it is never merged into it)."""
+    later = merge(key, [*sites, site], across)
+    if (later.nbatch, later.lanes_as_events, later.leaves) != (
+        info.nbatch,
+        info.lanes_as_events,
+        info.leaves,
+    ):
+        raise ValueError(
+            f"eqx_logs: key {key!r} is logged at {site.site} with events of "
+            f"{[(x.shape, str(x.dtype)) for x in site.leaves]} under {site.nbatch} batch axes, "
+            f"in a function traced after its other sites ({site_list(info.sites)}) were "
+            "counted (a custom derivative rule): its events would not fit the key's layout "
+            f"{[(x.shape, str(x.dtype)) for x in info.leaves]}. Log the same shapes and "
+            "dtypes under the same vmaps there, or give that site a key of its own."
+        )
+
+
+def _check_same(key: str, first: Site, s: Site, across: tuple[Any, ...]) -> None:
+    """What every site of a key shares: its shard_maps, its pytree structure, and (when
+    lanes are merged `across` vmap axes) its vmap axis names."""
+    if s.mesh != first.mesh:
+        where = f"inside a shard_map over {s.mesh}" if s.mesh else "outside any shard_map"
+        there = f"inside a shard_map over {first.mesh}" if first.mesh else "outside"
+        raise ValueError(
+            f"eqx_logs: key {key!r} is logged {where} at {s.site}, and {there} at "
+            f"{first.site}. Each device reduces the events it logs inside a "
+            "shard_map (or pmap) on its own, so those events cannot share a key with "
+            "others: give them a key of their own."
+        )
+    if s.names != first.names and set(across) & {*s.names, *first.names}:
+        raise ValueError(
+            f"eqx_logs.spool(across={across!r}): key {key!r} is logged "
+            f"under vmap axes {s.names} at {s.site} and {first.names} at "
+            f"{first.site}, so its lanes cannot be merged over one axis. "
+            "Log it under the same vmaps everywhere, or give the sites keys of their own."
+        )
+    if s.treedef != first.treedef:
+        raise ValueError(
+            f"eqx_logs: key {key!r} is logged with pytree structure {s.treedef} at {s.site} "
+            f"and {first.treedef} at {first.site}. Every event of one key must "
+            "have the same structure."
+        )
+
+
+def _lanes_as_events(sites: Sequence[Site]) -> bool:
+    """Whether two sites log the key under vmaps of different sizes, as many axes each and
+    with events of one shape (`lax.map(..., batch_size=k)` with a remainder): then each lane
+    of each event is an event of its own (`KeyInfo.lanes_as_events`)."""
+    layouts = {(s.nbatch, s.batch(), tuple(s.events())) for s in sites if s.nbatch}
+    return any(n == m and b != c and e == f for n, b, e in layouts for m, c, f in layouts)
+
+
+def _specs(first: Site, nbatch: int, lanes: bool) -> list[tuple[Any, ...] | None]:
+    """The key's partition specs: the first site's, with the key's batch axes."""
+    if lanes:
+        return [None if p is None else p[first.nbatch :] for p in first.specs]
+    pad = (None,) * (nbatch - first.nbatch) if not first.nbatch else ()
+    return [None if p is None else pad + p for p in first.specs]
+
+
+def _laid_out(info: KeyInfo, s: Site, target: Site | None):
+    """The shapes and steps of site `s` as the key lays its events out: one lane of each
+    event where lanes are events; broadcast along the `target` site's batch axes where `s`
+    logs the key unbatched with events of the key's shape (as each lane of
+    `jax.vmap(spool(f))` sees them); as they are otherwise. And the hint for a shape error
+    where `s` logs under another number of vmap axes than the key."""
+    shapes = [x.shape for x in s.leaves]
+    if info.lanes_as_events:
+        steps = {n: _unbatched(st, s.batch()) for n, st in s.steps.items()}
+        return [sh[s.nbatch :] for sh in shapes], steps, ""
+    if target is not None and not s.nbatch and not s.mesh and shapes == target.events():
+        lead = target.batch()
+        steps = {n: jax.ShapeDtypeStruct(lead + st.shape, st.dtype) for n, st in s.steps.items()}
+        return [lead + sh for sh in shapes], steps, ""
+    why = ""
+    if s.nbatch != info.nbatch and not s.mesh and not info.mesh:
+        why = _vmap_depth_hint(info, s.nbatch, s.site)
+    return shapes, s.steps, why
 
 
 # -- second pass --------------------------------------------------------------------

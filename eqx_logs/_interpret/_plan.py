@@ -1,10 +1,12 @@
 """The plan: what a jaxpr holds, found by walks over it before anything is evaluated.
 
-`Plan.count` walks a jaxpr once and finds, for every key, the static upper bound on its number
-of events (a scan multiplies, a cond takes the maximum over branches, a while loop is
-unbounded) and, through `_keys.record`, the shape of its events (checking that sites of one key
-agree). `has_log` says whether a jaxpr logs at all. Every answer is cached per jaxpr (by id,
-holding the jaxpr so that the id stays unique), and the policy's answers per tag and key.
+`Plan.program` walks the whole program twice: first to collect every log's sites of each key
+(`_keys.sites_of`), which are then merged once per key into its frozen `KeyInfo`
+(`_keys.merge`: the layout of its events, checking that its sites agree); then `Plan.count`
+finds, for every key, the static upper bound on its number of events (a scan multiplies, a
+cond takes the maximum over branches, a while loop is unbounded). `has_log` says whether a
+jaxpr logs at all. Every answer is cached per jaxpr (by id, holding the jaxpr so that the id
+stays unique), and the policy's answers per tag and key.
 """
 
 import contextlib
@@ -112,10 +114,12 @@ class Plan:
         self.policy = policy
         self.rules = rules
         self._reduction = reduction  # (key, site_reduce) -> its reduction, or "drop"
-        self.info: dict[str, KeyInfo] = {}
-        # the log equations of each key (by id; `_alive` keeps the ids unique)
+        self.sites: dict[str, list[_keys.Site]] = {}  # each key's sites, as collected
+        self.info: dict[str, KeyInfo] = {}  # each key's record, once `program` froze them
+        self.frozen = False
+        # the log equations of each key, by id (`_recorded` keeps the ids unique)
         self.eqns_of: dict[str, set[int]] = {}
-        self._alive: list[Any] = []
+        self._recorded: dict[int, Any] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
         self._has_log: dict[int, tuple[Any, bool]] = {}
         self._bodies: dict[tuple[int, str, bool], tuple[Any, Any]] = {}  # `opaque_body`
@@ -206,7 +210,7 @@ class Plan:
             if is_log(eqn):
                 if self.selects(eqn.params["tags"]):
                     keys = self._record(eqn)
-                    counts = {k: _keys.events_per_log(self.info, eqn, k) for k in keys}
+                    counts = {k: self.events_per_log(eqn, k) for k in keys}
                     parts.append((eqn.params["branches"], counts))
             elif self.eqn_has_log(eqn):
                 self._outer.append(eqn)  # (for the location of an error inside it)
@@ -218,22 +222,47 @@ class Plan:
         self._counts[id(closed)] = (closed, total)
         return total
 
-    def recount(self, closed: Any) -> Counts:
-        """`count` of the whole program: again from scratch where a key turned to lanes as events
-        (`KeyInfo.to_lanes_as_events`) after some of its sites were counted."""
-        counts = self.count(closed)
-        if any(info.lanes_as_events for info in self.info.values()):
-            self._counts.clear()  # sites counted before a key turned to lanes as events
-            counts = self.count(closed)
-        return counts
+    def program(self, closed: Any) -> Counts:
+        """`count` of the whole program `closed`, its keys' records frozen: a first walk
+        collects the sites of every log (`_keys.sites_of`), each key's sites are merged once
+        with all of them in hand (`_keys.merge`), and a second walk counts from the frozen
+        records. A jaxpr counted later (a custom derivative rule JAX traces when it
+        differentiates) is checked against them, never merged into them."""
+        self.count(closed)
+        across = self.policy.across
+        self.info.update(
+            {key: _keys.merge(key, sites, across) for key, sites in self.sites.items()}
+        )
+        self.frozen = True
+        self._counts.clear()  # (counted before the layouts were known)
+        self.iteration_events.clear()
+        return self.count(closed)
 
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
+        """The keys of the log equation `eqn`: its sites collected before the records are
+        frozen, checked against them after."""
         manual = self.manual
-        keys = _keys.record(self.info, eqn, manual.axes, manual.mesh, self.policy.across)
-        self._alive.append(eqn)
-        for key in keys:
+        sites = _keys.sites_of(eqn, manual.axes, manual.mesh)
+        if id(eqn) in self._recorded:
+            return list(sites)
+        if self.frozen:
+            across = self.policy.across
+            for key, site in sites.items():
+                if key in self.info:  # (other keys pass on, see `Spool.event`)
+                    _keys.check_late(key, self.info[key], self.sites[key], site, across)
+            return list(sites)
+        self._recorded[id(eqn)] = eqn
+        for key, site in sites.items():
+            self.sites.setdefault(key, []).append(site)
             self.eqns_of.setdefault(key, set()).add(id(eqn))
-        return keys
+        return list(sites)
+
+    def events_per_log(self, eqn: _compat.JaxprEqn, key: str) -> int:
+        """Events one execution of the log equation `eqn` makes for `key` (one until the
+        records are frozen: the first walk only collects)."""
+        if key not in self.info:
+            return 1
+        return _keys.events_per_log(self.info, eqn, key)
 
     def _branches(self, eqn: _compat.JaxprEqn) -> tuple[tuple[int, int], ...]:
         """The batched-cond branches (`log_p`'s `branches`) that every log inside `eqn` (a

@@ -28,7 +28,7 @@ def counter(shape: tuple[Any, ...], value: Any = 0) -> Any:
 
 def widened(x: Any, shape: tuple[int, ...]) -> Any:
     """An event of a site unbatched over some of its key's vmap axes, broadcast along them
-    (`_keys.broadcast_site`); `x` itself where it has the key's shape."""
+    (`_keys.merge`); `x` itself where it has the key's shape."""
     return x if jnp.shape(x) == shape else jnp.broadcast_to(x, shape)
 
 

@@ -157,7 +157,7 @@ def _custom_count(plan, eqn):
     differentiation its events replace the primal's, and a key's layout may not depend on
     whether a derivative is taken."""
     counts = plan.count(_compat.call_jaxpr(eqn))
-    if counts:
+    if counts and plan.frozen:  # (checked against the keys' records, once they are known)
         try:
             with logging_as(current_prefix()):
                 rule = _compat.custom_rule_jaxpr(eqn)

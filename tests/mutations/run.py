@@ -49,6 +49,7 @@ UNIT = [
     "tests/test_tap_buffer.py",
     "tests/test_policy.py",
     "tests/test_dtypes.py",
+    "tests/test_key_plan.py",
     "tests/test_primitives.py",
     "tests/test_hi_primitives.py",
     "tests/test_custom_rules.py",

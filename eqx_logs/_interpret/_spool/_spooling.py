@@ -152,7 +152,7 @@ class Spool(Handler):
     def run(self, closed: Any, args: Sequence[Any]) -> tuple[list[Any], LogDict]:
         interp, store = self.interp, self.store
         policy = interp.policy
-        counts = interp.plan.recount(closed)
+        counts = interp.plan.program(closed)
         states = store.setup(counts)
         if policy.first_nonfinite:
             self.first = FirstNonfinite(store)
