@@ -57,7 +57,7 @@ from test_oracle import (
 )
 
 import eqx_logs
-from eqx_logs._tapping import Tap
+from eqx_logs._tap import Tap
 
 _TIE = 1e-3  # as in test_oracle: a comparison this close to its threshold may flip
 

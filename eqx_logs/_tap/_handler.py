@@ -12,13 +12,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from . import _compat, _lanes
-from ._deferred import force
-from ._interpret import INTERVAL_STEP, Handler, Interpreter
-from ._primitive import rebind
-from ._rules import RULES, inline_copy_apply
-from ._tap_blocks import BLOCK, Blocks, hide_lanes
-from ._tap_peel import blocked_scan, peeled_scan
+from .. import _compat, _lanes
+from .._deferred import force
+from .._interpret import INTERVAL_STEP, Handler, Interpreter
+from .._primitive import rebind
+from .._rules import RULES, inline_copy_apply
+from ._blocks import BLOCK, Blocks, hide_lanes
+from ._split import blocked_scan, peeled_scan
 
 
 def _numeric(x: Any) -> bool:
@@ -88,7 +88,7 @@ class Tap(Handler):
     ):
         self.interp = Interpreter(policy, TAP_RULES, self)
         self.sink = sink
-        # `buffer=k`: events gathered on the device, k per callback (`_tap_blocks.py`)
+        # `buffer=k`: events gathered on the device, k per callback (`_blocks.py`)
         self.blocks = None if buffer is None else Blocks(buffer, sink, context, every_process)
         self.every_process = every_process
         self.context = context
@@ -214,7 +214,7 @@ class Tap(Handler):
         return rule._replace(apply=apply)
 
     def _peeled_scan(self, eqn, invals, states):
-        """`_tap_peel.peeled_scan`: a scan split at trace time, or None."""
+        """`_split.peeled_scan`: a scan split at trace time, or None."""
         return peeled_scan(self, eqn, invals, states)
 
     def event(self, eqn, invals, states):

@@ -9,11 +9,11 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from . import _compat
-from ._interpret import INTERVAL_STEP, keys_of
-from ._primitive import is_log
-from ._rules import split_at
-from ._tap_blocks import BLOCK
+from .. import _compat
+from .._interpret import INTERVAL_STEP, keys_of
+from .._primitive import is_log
+from .._rules import split_at
+from ._blocks import BLOCK
 
 
 def _groups_of(tap: Any, eqn: Any) -> list[str]:
@@ -126,7 +126,7 @@ def peeled_scan(tap: Any, eqn: Any, invals: list[Any], states: dict[str, Any]) -
 
 
 def blocked_scan(tap: Any, eqn: Any, invals: list[Any], states: dict[str, Any]) -> Any:
-    """With `buffer=k` (`_tap_blocks.py`), a scan whose body logs each of its groups of keys
+    """With `buffer=k` (`_blocks.py`), a scan whose body logs each of its groups of keys
     exactly once per iteration, unconditionally, entered with the same known `fill` in every
     group's block: evaluated as [the iterations that complete the current block] + an outer
     scan over whole blocks, each an inner scan returning its events as `ys` and one callback
