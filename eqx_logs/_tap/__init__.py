@@ -1,6 +1,7 @@
 """tap: log events streamed to a host callback as they happen. The public `tap` and the
-wrapper it returns (`_api.py`), its handler (`_handler.py`, `Tap`), chunked delivery with
-`buffer=k` (`_blocks.py`) and the scans it splits at trace time (`_split.py`)."""
+wrapper it returns (`_api.py`), its handler (`_handler.py`, `Tap`) and its rule table
+(`_rules.py`), chunked delivery with `buffer=k` (`_blocks.py`) and the scans it splits at
+trace time (`_split.py`)."""
 
 from ._api import (
     check_buffer as check_buffer,

@@ -16,8 +16,8 @@ from .. import _compat, _lanes
 from .._deferred import force
 from .._interpret import INTERVAL_STEP, Handler, Interpreter
 from .._primitive import rebind
-from .._rules import RULES, inline_copy_apply
 from ._blocks import BLOCK, Blocks, hide_lanes
+from ._rules import TAP_RULES
 from ._split import blocked_scan, peeled_scan
 
 
@@ -36,27 +36,6 @@ def _zero_of(args: Any) -> Any:
         if _numeric(x) and _compat.explicit_spec(jax.typeof(x)) is None
     ]
     return functools.reduce(jnp.add, empty, jnp.int32(0))
-
-
-def _tap_shard_map_apply(interp, eqn, invals, states):
-    """spool's rule: each device calls back with its own events (a callback in a shard_map
-    runs on every device), its mesh coordinates among the steps, its own counters (scalars
-    inside, see `on_device`/`device_states`), so `interval` counts each device's events. The
-    callback needs every mesh axis manual."""
-    _, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
-    if set(axes) != set(mesh.axis_names):
-        raise ValueError(
-            f"eqx_logs.tap: a shard_map over only some of its mesh's axes (manual {axes}, "
-            f"mesh {mesh.axis_names}) logs; tap needs every axis manual there (the callback "
-            "runs on each device). Use `eqx_logs.spool`, or make every axis manual."
-        )
-    return RULES[_compat.SHARD_MAP].apply(interp, eqn, invals, states)
-
-
-TAP_RULES = {
-    **RULES,
-    _compat.SHARD_MAP: RULES[_compat.SHARD_MAP]._replace(apply=_tap_shard_map_apply),
-}
 
 
 class Tap(Handler):
@@ -143,7 +122,7 @@ class Tap(Handler):
         return {g: array(g, c) for g, c in states.items()}
 
     # (`streamed`: none, events reach the host, not a scan's outputs; `settle`: counters
-    # only, which rules make arrays where they must, see `rule`)
+    # only, which rules make arrays where they must, see `_rules.py`)
 
     def snapshot(self):
         tap = {"guards": self._guards, "tokens": self._loop_tokens, "lanes": self._lanes}
@@ -194,24 +173,13 @@ class Tap(Handler):
         groups = tuple(dict.fromkeys(self._group[k] for k in keys))
         return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 
-    def rule(self, eqn, rule):
-        if rule.recomputed:
-            # recomputed in the backward pass, callbacks included: like a custom derivative,
-            # outputs from the call with its logs stripped, events from an inline copy
-            return rule._replace(apply=inline_copy_apply)
-        if rule.straight:  # evaluated inline: known counters stay known
-            return rule
-
-        def apply(interp, eqn, invals, states):
-            if rule.scan:
-                peeled = self._peeled_scan(eqn, invals, states)
-                if peeled is None and self.blocks is not None:
-                    peeled = blocked_scan(self, eqn, invals, states)
-                if peeled is not None:
-                    return peeled
-            return rule.apply(interp, eqn, invals, self.threadable(states))
-
-        return rule._replace(apply=apply)
+    def split_scan(self, eqn, invals, states):
+        """A scan split at trace time (`_split.py`: `peeled_scan`, or with `buffer=k`
+        `blocked_scan`), or None (then its rule evaluates it, see `_rules.py`)."""
+        split = self._peeled_scan(eqn, invals, states)
+        if split is None and self.blocks is not None:
+            split = blocked_scan(self, eqn, invals, states)
+        return split
 
     def _peeled_scan(self, eqn, invals, states):
         """`_split.peeled_scan`: a scan split at trace time, or None."""
