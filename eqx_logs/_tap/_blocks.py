@@ -37,7 +37,7 @@ class Blocks:
     def __init__(self, size: int, sink: Callable, context: Any, every_process: bool):
         self.size, self.sink, self.context = size, sink, context
         self.every_process = every_process
-        # in a scan `_split.blocked_scan` splits: each group's row of this iteration
+        # in a scan `_split.ScanSplit.blocked` splits: each group's row of this iteration
         self.streaming: dict[str, Any] | None = None
 
     def setup(self, info: dict[str, Any], groups: dict[str, str], prefix: str) -> dict:
@@ -130,7 +130,7 @@ class Blocks:
         lanes `mask` where it happened, or None) where `wanted` (the interval keeps it), and
         send the block if that fills it; `guard` (or None): whether the host takes it (the
         conditions of the cond branches around it, under a vmap outside the tap). In a scan
-        that `_split.blocked_scan` splits, the row is only recorded (`streaming`)."""
+        that `_split.ScanSplit.blocked` splits, the row is only recorded (`streaming`)."""
         if wanted is False:
             return
         if self.streaming is not None:

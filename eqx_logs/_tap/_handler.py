@@ -27,7 +27,7 @@ from .._interpret import (
 )
 from ._blocks import BLOCK, Blocks, hide_lanes
 from ._rules import TAP_RULES
-from ._split import blocked_scan, peeled_scan
+from ._split import ScanSplit
 
 
 def _numeric(x: Any) -> bool:
@@ -55,8 +55,8 @@ class Tap(Handler):
     after a scan handled below), so events the interval skips cost nothing and kept ones need
     no `cond`. A scan whose body logs each of its counters' keys exactly once per iteration,
     entered with known counters, is split at trace time into runs of iterations without
-    events and single iterations with one (`_peeled_scan`): the skipped iterations compile
-    without the logged computation at all.
+    events and single iterations with one (`_split.py`, `ScanSplit.peeled`): the skipped
+    iterations compile without the logged computation at all.
     """
 
     # Under a `vmap` outside `tap`, a cond or while with a batched predicate runs its branches
@@ -184,16 +184,9 @@ class Tap(Handler):
         return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 
     def split_scan(self, eqn, invals, states):
-        """A scan split at trace time (`_split.py`: `peeled_scan`, or with `buffer=k`
-        `blocked_scan`), or None (then its rule evaluates it, see `_rules.py`)."""
-        split = self._peeled_scan(eqn, invals, states)
-        if split is None and self.blocks is not None:
-            split = blocked_scan(self, eqn, invals, states)
-        return split
-
-    def _peeled_scan(self, eqn, invals, states):
-        """`_split.peeled_scan`: a scan split at trace time, or None."""
-        return peeled_scan(self, eqn, invals, states)
+        """A scan split at trace time (`_split.py`: `ScanSplit`, peeled with `interval=k`, in
+        blocks with `buffer=k`), or None (then its rule evaluates it, see `_rules.py`)."""
+        return ScanSplit(self, eqn, invals)(states)
 
     def event(self, eqn, invals, states):
         selected = self._selected(eqn, invals, states)
