@@ -425,7 +425,7 @@ def test_a_full_block_arrives_with_its_last_event():
     """Full blocks are sent as they fill, in program order with other host callbacks: here an
     enclosing unbuffered tap's, of events tagged apart. A block arrives in the iteration of
     its last event (after that event, or at the end of that iteration, where a scan is split
-    into blocks: `_tap_peel.blocked_scan`), before the next iteration's callbacks."""
+    into blocks: `_tap/_split.py`, `ScanSplit.blocked`), before the next iteration's callbacks."""
     order = []
 
     def f(xs):
@@ -859,12 +859,12 @@ def test_logger_tap_buffer_rejects_a_bad_size(tmp_path):
 @pytest.mark.parametrize("k", [1, 3, 4, 7, 12, 50])
 @pytest.mark.parametrize("start", [0, 2])
 def test_blocked_scan_equals_the_carried_block(monkeypatch, k, start):
-    """A scan logging each group once per iteration is split into blocks (`_tap_peel.
-    blocked_scan`: counted here, so the test fails if it stops applying); with the split
+    """A scan logging each group once per iteration is split into blocks (`_tap/_split.py`,
+    `ScanSplit.blocked`: counted here, so the test fails if it stops applying); with the split
     turned off, every event is written into the block carried through the scan. Both must
     deliver the same blocks, in the same order, entered with `start` events already in the
     block (logs before the scan), and the scan's own outputs must not change."""
-    from eqx_logs import _tapping
+    from eqx_logs._tap._split import ScanSplit
 
     def f(xs):
         for i in range(start):
@@ -878,17 +878,17 @@ def test_blocked_scan_equals_the_carried_block(monkeypatch, k, start):
 
     xs = jnp.arange(12.0)
     taken = []
-    original = _tapping.blocked_scan
+    original = ScanSplit.blocked
 
     def counted(*args):
         out = original(*args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(_tapping, "blocked_scan", counted)
+    monkeypatch.setattr(ScanSplit, "blocked", counted)
     split_out, split = run_tap(f, xs, wrap=jax.jit, buffer=k)
     assert taken == [True]
-    monkeypatch.setattr(_tapping, "blocked_scan", lambda *args: None)
+    monkeypatch.setattr(ScanSplit, "blocked", lambda *args: None)
     carried_out, carried = run_tap(f, xs, wrap=jax.jit, buffer=k)
     jax.tree.map(np.testing.assert_array_equal, split_out, carried_out)
     assert sizes(split) == sizes(carried)

@@ -57,7 +57,7 @@ from test_oracle import (
 )
 
 import eqx_logs
-from eqx_logs._tapping import Tap
+from eqx_logs._tap._split import ScanSplit
 
 _TIE = 1e-3  # as in test_oracle: a comparison this close to its threshold may flip
 
@@ -507,8 +507,8 @@ def batched_cases(draw, batch: int = LANES):
 
 @contextlib.contextmanager
 def counting_split_scans():
-    """Counts the scans tap splits at trace time (`Tap._peeled_scan` answering)."""
-    original = Tap._peeled_scan
+    """Counts the scans tap splits at trace time (`ScanSplit.peeled` answering)."""
+    original = ScanSplit.peeled
     hits: list[bool] = []
 
     def spy(self, *args, **kwargs):
@@ -516,11 +516,11 @@ def counting_split_scans():
         hits.append(out is not None)
         return out
 
-    Tap._peeled_scan = spy
+    ScanSplit.peeled = spy
     try:
         yield hits
     finally:
-        Tap._peeled_scan = original
+        ScanSplit.peeled = original
 
 
 def _transform(f, variant: str, interval: int, rec: Recorder, **options):

@@ -3,6 +3,14 @@ evaluator, handlers plugged into it, and the pieces they share. See README.md he
 
 from .._scope import INTERVAL_STEP as INTERVAL_STEP
 from ._evaluator import Interpreter as Interpreter
+from ._gate import (
+    Interval as Interval,
+    items_of as items_of,
+    mask_of as mask_of,
+    pass_on as pass_on,
+    selects as selects,
+    steps_of as steps_of,
+)
 from ._handler import Handler as Handler, Stream as Stream
 from ._keys import (
     check_rule_dtypes as check_rule_dtypes,

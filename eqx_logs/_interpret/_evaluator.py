@@ -114,8 +114,7 @@ class Interpreter:
             elif is_sow(eqn):
                 outs = handler.sown(eqn, invals, states)
             elif plan.eqn_has_log(eqn) or (handler.wraps_custom_rules and self._custom(eqn)):
-                rule = handler.rule(eqn, plan.rule(eqn))
-                outs, states = rule.apply(self, eqn, invals, states)
+                outs, states = plan.rule(eqn).apply(self, eqn, invals, states)
             else:
                 outs = self.bind_eqn(eqn, invals)
             if lanes.values or _lanes.is_lane_primitive(eqn):

@@ -172,8 +172,3 @@ class Handler:
         """A device's blocks of its states (leaving a shard_map's body over `naxes` axes)."""
         del naxes
         return states
-
-    def rule(self, eqn: _compat.JaxprEqn, rule: Any) -> Any:
-        """The rule that evaluates `eqn` (`rule`, the table's, by default)."""
-        del eqn
-        return rule

@@ -17,6 +17,7 @@ from ..._methods import method
 from ..._policy import Policy
 from ..._primitive import rebind
 from .._evaluator import Interpreter
+from .._gate import items_of, mask_of, pass_on, selects, steps_of
 from .._handler import Handler, Stream
 from .._manual import check_across, merge_across
 from .._values import known as _known, vmap_n
@@ -75,29 +76,21 @@ class Spool(Handler):
         logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
         inside the `lax.cond` that folds it in (but on GPUs: `_branching.py`)."""
         interp, store = self.interp, self.store
-        lanes = interp.lanes
         params = eqn.params
-        selected = interp.plan.selects(params["tags"])
-        if not selected or self.keep:
-            # not ours (or kept): an enclosing spool sees it
-            rebind(eqn, invals, lanes.mask())
-        if not selected:
-            return
-        treedef = params["treedef"]
-        n_leaves = treedef.num_leaves
-        items = jtu.tree_unflatten(treedef, list(range(n_leaves)))
-        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
-        mask = force(invals[-1:])[0] if params["masked"] else True
-        lane = lanes.mask()
+        if not selects(interp, eqn, invals):
+            return  # not ours: an enclosing spool sees it
+        if self.keep:  # (kept: an enclosing spool sees it too)
+            rebind(eqn, invals, interp.lanes.mask())
+        n_leaves = params["treedef"].num_leaves
+        items = items_of(eqn, list(range(n_leaves)))
+        steps = steps_of(eqn, invals)
+        mask = mask_of(eqn, invals, everywhere=True)
+        lane = interp.lanes.mask()
         if lane is not None:
             mask = jnp.logical_and(mask, lane)
-        # Keys without a state here are dropped by a Policy rule, or logged by a custom
-        # derivative rule but not by its primal (`_rules/_custom.py`): those pass on, and warn if no
-        # enclosing spool or tap captures them.
-        passed = [k for k in items if k not in states and not interp.plan.dropped(k)]
-        if passed:
-            rebind(eqn, invals, lanes.mask(), keys=passed, rule=interp.rule_name)
+        # Keys without a state here are dropped by a Policy rule, or pass on (`pass_on`).
         keys = [k for k in items if k in states]
+        pass_on(interp, eqn, invals, items, keys)
         if self.first is not None and keys:
             invals = [*force(invals[:n_leaves]), *invals[n_leaves:]]  # checked: all needed
             for key in keys:

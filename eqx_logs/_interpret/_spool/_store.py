@@ -17,20 +17,17 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
-from jax import lax
 
 from ... import _compat
 from ..._buffers import NeedsBound, cast_event
 from ..._methods import method
 from ..._policy import Policy
 from ..._scope import INTERVAL_STEP
+from .._gate import Interval
 from .._keys import KeyInfo, site_list
 from .._manual import ManualAxes
 from .._plan import Plan
 from .._values import as_array, counter, known, plus, stop_gradients, vmap_n, widened
-
-# With `interval=k`, events that carry the step `INTERVAL_STEP` are kept where it is a multiple
-# of k (in a per-step training loop, one jitted call per step, only the step can tell).
 
 # A channel state not made yet (`Store.init`).
 FRESH = object()
@@ -56,6 +53,7 @@ class Store:
 
     def __init__(self, plan: Plan, manual: ManualAxes, policy: Policy):
         self.plan, self.manual, self.policy = plan, manual, policy
+        self.interval = Interval(policy.interval)
         self.info: dict[str, KeyInfo] = plan.info
         self.reductions: dict[str, Any] = {}  # the keys with a state: their reduction
         self.channels: dict[str, dict[str, Any]] = {}  # key -> channel -> reduction
@@ -116,20 +114,15 @@ class Store:
         state, info = dict(state), self.info[key]
         batch = self.manual.batch_shape(info)
         valid = mask
-        period = self.policy.interval
-        if period > 1:
+        if self.interval.period > 1:
             if mask is not True:
                 mask = self.manual.fit(info, mask)
-            if INTERVAL_STEP in steps:
-                number = jnp.asarray(steps[INTERVAL_STEP])
-            else:
-                number = state["seen"]
-            if known(number) and mask is True:  # all lanes have seen as many events
-                valid = bool(np.all(number % period == 0))
-            else:
-                multiple = lax.rem(number, jnp.asarray(period, number.dtype)) == 0
-                valid = jnp.logical_and(multiple, mask)
-            state["seen"] = plus(state["seen"], mask)
+            seen = state["seen"]
+            # now where all lanes have seen as many events, known; a step, on the device
+            now = not self.interval.by_step(steps) and known(seen) and mask is True
+            keeps = self.interval.keeps(self.interval.number(steps, seen), now)
+            valid = bool(np.all(keeps)) if now else jnp.logical_and(keeps, mask)
+            state["seen"] = plus(seen, mask)
         if not isinstance(valid, bool):
             valid = self.manual.fit(info, valid) if jnp.shape(valid) != batch else valid
         state["count"] = plus(state["count"], valid)

@@ -19,11 +19,11 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from . import _compat, _lanes
-from ._branching import skippable
-from ._buffers import cast_event
-from ._deferred import Lazy, force, stop_gradient
-from ._interpret import site_list, widened
+from .. import _compat, _lanes
+from .._branching import skippable
+from .._buffers import cast_event
+from .._deferred import Lazy, force, stop_gradient
+from .._interpret import site_list, widened
 
 BLOCK = "\x00block"  # a group's block state: `states[group + BLOCK]`
 
@@ -37,7 +37,7 @@ class Blocks:
     def __init__(self, size: int, sink: Callable, context: Any, every_process: bool):
         self.size, self.sink, self.context = size, sink, context
         self.every_process = every_process
-        # in a scan `_tap_peel.blocked_scan` splits: each group's row of this iteration
+        # in a scan `_split.ScanSplit.blocked` splits: each group's row of this iteration
         self.streaming: dict[str, Any] | None = None
 
     def setup(self, info: dict[str, Any], groups: dict[str, str], prefix: str) -> dict:
@@ -130,7 +130,7 @@ class Blocks:
         lanes `mask` where it happened, or None) where `wanted` (the interval keeps it), and
         send the block if that fills it; `guard` (or None): whether the host takes it (the
         conditions of the cond branches around it, under a vmap outside the tap). In a scan
-        that `_tap_peel.blocked_scan` splits, the row is only recorded (`streaming`)."""
+        that `_split.ScanSplit.blocked` splits, the row is only recorded (`streaming`)."""
         if wanted is False:
             return
         if self.streaming is not None:

@@ -12,13 +12,22 @@ import jax.tree_util as jtu
 import numpy as np
 from jax import lax
 
-from . import _compat, _lanes
-from ._deferred import force
-from ._interpret import INTERVAL_STEP, Handler, Interpreter
-from ._primitive import rebind
-from ._rules import RULES, inline_copy_apply
-from ._tap_blocks import BLOCK, Blocks, hide_lanes
-from ._tap_peel import blocked_scan, peeled_scan
+from .. import _compat, _lanes
+from .._deferred import force
+from .._interpret import (
+    INTERVAL_STEP,
+    Handler,
+    Interpreter,
+    Interval,
+    items_of,
+    mask_of,
+    pass_on,
+    selects,
+    steps_of,
+)
+from ._blocks import BLOCK, Blocks, hide_lanes
+from ._rules import TAP_RULES
+from ._split import ScanSplit
 
 
 def _numeric(x: Any) -> bool:
@@ -38,27 +47,6 @@ def _zero_of(args: Any) -> Any:
     return functools.reduce(jnp.add, empty, jnp.int32(0))
 
 
-def _tap_shard_map_apply(interp, eqn, invals, states):
-    """spool's rule: each device calls back with its own events (a callback in a shard_map
-    runs on every device), its mesh coordinates among the steps, its own counters (scalars
-    inside, see `on_device`/`device_states`), so `interval` counts each device's events. The
-    callback needs every mesh axis manual."""
-    _, mesh, _, _, axes, _ = _compat.shard_map_parts(eqn)
-    if set(axes) != set(mesh.axis_names):
-        raise ValueError(
-            f"eqx_logs.tap: a shard_map over only some of its mesh's axes (manual {axes}, "
-            f"mesh {mesh.axis_names}) logs; tap needs every axis manual there (the callback "
-            "runs on each device). Use `eqx_logs.spool`, or make every axis manual."
-        )
-    return RULES[_compat.SHARD_MAP].apply(interp, eqn, invals, states)
-
-
-TAP_RULES = {
-    **RULES,
-    _compat.SHARD_MAP: RULES[_compat.SHARD_MAP]._replace(apply=_tap_shard_map_apply),
-}
-
-
 class Tap(Handler):
     """Turns each selected log event into an ordered host callback, gated on the device by
     the policy's interval (a per-key event counter is threaded).
@@ -67,8 +55,8 @@ class Tap(Handler):
     after a scan handled below), so events the interval skips cost nothing and kept ones need
     no `cond`. A scan whose body logs each of its counters' keys exactly once per iteration,
     entered with known counters, is split at trace time into runs of iterations without
-    events and single iterations with one (`_peeled_scan`): the skipped iterations compile
-    without the logged computation at all.
+    events and single iterations with one (`_split.py`, `ScanSplit.peeled`): the skipped
+    iterations compile without the logged computation at all.
     """
 
     # Under a `vmap` outside `tap`, a cond or while with a batched predicate runs its branches
@@ -87,8 +75,9 @@ class Tap(Handler):
         buffer: int | None = None,
     ):
         self.interp = Interpreter(policy, TAP_RULES, self)
+        self.interval = Interval(policy.interval)
         self.sink = sink
-        # `buffer=k`: events gathered on the device, k per callback (`_tap_blocks.py`)
+        # `buffer=k`: events gathered on the device, k per callback (`_blocks.py`)
         self.blocks = None if buffer is None else Blocks(buffer, sink, context, every_process)
         self.every_process = every_process
         self.context = context
@@ -143,7 +132,7 @@ class Tap(Handler):
         return {g: array(g, c) for g, c in states.items()}
 
     # (`streamed`: none, events reach the host, not a scan's outputs; `settle`: counters
-    # only, which rules make arrays where they must, see `rule`)
+    # only, which rules make arrays where they must, see `_rules.py`)
 
     def snapshot(self):
         tap = {"guards": self._guards, "tokens": self._loop_tokens, "lanes": self._lanes}
@@ -194,28 +183,10 @@ class Tap(Handler):
         groups = tuple(dict.fromkeys(self._group[k] for k in keys))
         return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 
-    def rule(self, eqn, rule):
-        if rule.recomputed:
-            # recomputed in the backward pass, callbacks included: like a custom derivative,
-            # outputs from the call with its logs stripped, events from an inline copy
-            return rule._replace(apply=inline_copy_apply)
-        if rule.straight:  # evaluated inline: known counters stay known
-            return rule
-
-        def apply(interp, eqn, invals, states):
-            if rule.scan:
-                peeled = self._peeled_scan(eqn, invals, states)
-                if peeled is None and self.blocks is not None:
-                    peeled = blocked_scan(self, eqn, invals, states)
-                if peeled is not None:
-                    return peeled
-            return rule.apply(interp, eqn, invals, self.threadable(states))
-
-        return rule._replace(apply=apply)
-
-    def _peeled_scan(self, eqn, invals, states):
-        """`_tap_peel.peeled_scan`: a scan split at trace time, or None."""
-        return peeled_scan(self, eqn, invals, states)
+    def split_scan(self, eqn, invals, states):
+        """A scan split at trace time (`_split.py`: `ScanSplit`, peeled with `interval=k`, in
+        blocks with `buffer=k`), or None (then its rule evaluates it, see `_rules.py`)."""
+        return ScanSplit(self, eqn, invals)(states)
 
     def event(self, eqn, invals, states):
         selected = self._selected(eqn, invals, states)
@@ -243,29 +214,24 @@ class Tap(Handler):
     def _selected(self, eqn, invals, states) -> tuple[dict, dict, list] | None:
         """The event's items and steps, and the keys this tap takes of it; None where it
         takes none (the others are bound again, for an enclosing spool or tap)."""
-        interp, params = self.interp, eqn.params
-        if not interp.plan.selects(params["tags"]):
-            rebind(eqn, invals, interp.lanes.mask())  # not ours: an enclosing one's
-            return None
+        interp = self.interp
+        if not selects(interp, eqn, invals):
+            return None  # not ours: an enclosing one's
         if self._silent:  # the interval skips this event
             return None
-        n_leaves = params["treedef"].num_leaves
-        items = jtu.tree_unflatten(params["treedef"], invals[:n_leaves])
-        steps = dict(zip(params["steps"], force(invals[n_leaves:])))
+        items = items_of(eqn, invals[: eqn.params["treedef"].num_leaves])
+        steps = steps_of(eqn, invals)
         if interp.manual.axes:  # inside a shard_map: the device's coordinates on its axes
             steps = {**{a: lax.axis_index(a) for a, _ in interp.manual.axes}, **steps}
         keys = [k for k in items if k in self._kept and self._group[k] in states]
-        # keys a custom derivative rule logs but its primal does not: as in spool
-        passed = [k for k in items if k not in keys and not interp.plan.dropped(k)]
-        if passed:
-            rebind(eqn, invals, interp.lanes.mask(), keys=passed, rule=interp.rule_name)
+        pass_on(interp, eqn, invals, items, keys)  # as in spool
         return (items, steps, keys) if keys else None
 
     def _event_mask(self, eqn, invals) -> tuple[Any, Any]:
         """(mask, lane): where the event happened, and the guard of a vmap outside the tap.
         Equinox's loops (`_lanes.py`): lanes with axes come from a vmap inside tap and mask
         the event; a scalar lane (a vmap outside) is a guard, and gates the counters."""
-        mask = force(invals[-1:])[0] if eqn.params["masked"] else None
+        mask = mask_of(eqn, invals)
         lane = self.interp.lanes.mask()
         if lane is not None and jnp.ndim(lane):
             mask = lane if mask is None else jnp.logical_and(mask, lane)
@@ -276,8 +242,9 @@ class Tap(Handler):
         """The policy's interval: whether each group keeps the event (a bool where known at
         trace time), its counter advanced in `states`; and the event's mask for the host."""
         wanted: dict[Any, Any] = {}
-        period = self.interp.policy.interval
-        by_step = period > 1 and INTERVAL_STEP in steps  # kept where step % k == 0
+        interval = self.interval
+        period = interval.period
+        by_step = interval.by_step(steps)  # kept where step % k == 0
         # A step batched by a vmap inside the tap: the interval keeps each lane's own step, as
         # `jax.vmap(tap(f))` (and spool's `Store.gate`) would. The event goes to the host where
         # some lane keeps it, the lanes that do not masked as lanes where it did not happen
@@ -285,18 +252,14 @@ class Tap(Handler):
         stepped = by_step and jnp.ndim(steps[INTERVAL_STEP]) > 0
         shown = mask
         if stepped:
-            shown = _multiple(steps[INTERVAL_STEP], period)
+            shown = interval.keeps(steps[INTERVAL_STEP])
             if mask is not None:
                 shown = jnp.logical_and(_lanes.fit(mask, jnp.shape(shown)), shown)
         for g in groups:
             count = states[g]
             if mask is None and lane is None and isinstance(count, int):  # known now
-                if stepped:
-                    wanted[g] = jnp.any(shown)
-                elif by_step:
-                    wanted[g] = _multiple(steps[INTERVAL_STEP], period)
-                else:
-                    wanted[g] = count % period == 0
+                number = interval.number(steps, count)
+                wanted[g] = jnp.any(shown) if stepped else interval.keeps(number)
                 states[g] = count + 1
                 continue
             if mask is None and lane is None and period == 1:  # always kept
@@ -312,9 +275,9 @@ class Tap(Handler):
             elif stepped:  # (a lane of `shown` is one where the event happened)
                 kept = jnp.any(shown)
                 wanted[g] = kept if lane is None else jnp.logical_and(kept, lane)
-            else:  # events 0, k, 2k, ... of each key (counters are never negative: lax.rem)
-                number = steps[INTERVAL_STEP] if by_step else count
-                wanted[g] = jnp.logical_and(happened, _multiple(number, period))
+            else:  # events 0, k, 2k, ... of each group, or kept by their step
+                number = interval.number(steps, count)
+                wanted[g] = jnp.logical_and(happened, interval.keeps(number))
             states[g] = count + happened.astype(jnp.int32)
         return wanted, shown
 
@@ -356,11 +319,3 @@ class Tap(Handler):
         else:
             kept = functools.reduce(jnp.logical_or, flags.values())
             lax.cond(kept, lambda: emit({}), lambda: None)
-
-
-def _multiple(number: Any, period: int) -> Any:
-    """Whether `number` (an integer scalar or array) is a multiple of `period`."""
-    if isinstance(number, int | np.integer):
-        return number % period == 0
-    number = jnp.asarray(number)
-    return lax.rem(number, jnp.asarray(period, number.dtype)) == 0
