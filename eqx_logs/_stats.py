@@ -39,6 +39,104 @@ def _float(x: Array) -> Array:
 STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
+def _lane_wise(y: Array, axes: tuple[int, ...]) -> Array:
+    """A lane's value `y`, broadcast against an array reduced over `axes`."""
+    return jnp.reshape(y, y.shape + (1,) * len(axes))
+
+
+def _kept_only(y: Array, kept: Array | None, empty: Any) -> Array:
+    """`y` where the mask `kept` holds, `empty` elsewhere (all of `y` without a mask)."""
+    return y if kept is None else jnp.where(kept, y, jnp.asarray(empty, y.dtype))
+
+
+def _apply_mask(
+    x: Array, mask: Array | None, lanes: int, axes: tuple[int, ...]
+) -> tuple[Array, Array, Array | None, Array, Array]:
+    """`(full, x, kept, size, denominator)`: `x` as it is, `x` with its masked elements 0,
+    the mask broadcastable against `x` (None without one), the number of elements kept per
+    lane, and that number but at least 1 (what the sums are divided by)."""
+    n = math.prod(x.shape[lanes:])
+    if mask is None:
+        size = denominator = jnp.asarray(n, x.dtype)
+        return x, x, None, size, denominator
+    kept = jnp.reshape(mask, jnp.shape(mask) + (1,) * (x.ndim - jnp.ndim(mask)))
+    full, x = x, jnp.where(kept, x, jnp.zeros((), x.dtype))
+    per_kept = jnp.asarray(n // math.prod(kept.shape[lanes:]), x.dtype)  # per mask element
+    size = jnp.sum(kept, axis=axes, dtype=jnp.int32).astype(x.dtype) * per_kept
+    size = jnp.broadcast_to(size, x.shape[:lanes])
+    denominator = jnp.maximum(size, jnp.ones((), x.dtype))
+    return full, x, kept, size, denominator
+
+
+def _careful_moments(
+    x: Array,
+    absmax: Array,
+    kept: Array | None,
+    denominator: Array,
+    axes: tuple[int, ...],
+    inexact: bool,
+) -> tuple[Array, Array, Array, Array]:
+    """`(mean, std, rms, nonfinite)` of `x` the careful way: scaled by a power of two
+    (exactly), the variance taken around the mean, the NaN and infinite elements counted."""
+    lanes = x.ndim - len(axes)
+    finite = jnp.isfinite(absmax)
+    # 2**-e with `absmax < 2**e`, between 2**-126 and 2**126: exact, no subnormals
+    e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, jnp.ones_like(absmax)))[1]
+    scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
+    y = x * _lane_wise(scale, axes)
+    m = jnp.sum(y, axis=axes) / denominator
+    d = _kept_only(y - _lane_wise(m, axes), kept, 0)
+    # around the computed mean, corrected for its rounding error
+    drift = jnp.sum(d, axis=axes) / denominator
+    var = jnp.sum(jnp.square(d), axis=axes) / denominator - jnp.square(drift)
+    var = jnp.maximum(var, jnp.zeros((), x.dtype))
+    if inexact:
+        count = jnp.sum(~jnp.isfinite(x), axis=axes, dtype=jnp.int32)
+    else:
+        count = jnp.zeros(x.shape[:lanes], jnp.int32)
+    nonfinite = jnp.where(finite, 0, count).astype(jnp.int32)
+    # NaN for a value that is not finite: an infinite `norm` is a finite value's
+    # overflow, which `first_nonfinite` does not report (`overflows`)
+    rms = jnp.where(finite, jnp.sqrt(var + jnp.square(m)) / scale, jnp.nan)
+    return m / scale, jnp.sqrt(var) / scale, rms, nonfinite
+
+
+def _moments(
+    x: Array,
+    absmax: Array,
+    kept: Array | None,
+    denominator: Array,
+    zero: Array,
+    axes: tuple[int, ...],
+    need: set[str],
+    inexact: bool,
+) -> tuple[Array, Array, Array, Array]:
+    """`(mean, std, rms, nonfinite)` of `x` (masked elements 0), from `sum x` and
+    `sum x**2` where those serve in every lane, else by `lax.cond` from the careful path
+    (`_careful_moments`), each lane keeping the quick path's values where they serve. Only
+    the sums `need` asks for are taken (the others `zero`, a 0 per lane)."""
+    lanes = x.ndim - len(axes)
+    total = jnp.sum(x, axis=axes) if need & {"mean", "std"} else zero
+    squares = jnp.sum(jnp.square(x), axis=axes) if need & {"std", "rms", "norm"} else zero
+    mean, square = total / denominator, squares / denominator
+    var = jnp.maximum(square - mean * mean, jnp.zeros((), x.dtype))
+    ok = jnp.isfinite(absmax) & jnp.isfinite(total) & jnp.isfinite(squares)
+    if need & {"std", "rms", "norm"}:  # squares of tiny values lose their digits
+        ok = ok & ((square >= jnp.finfo(x.dtype).tiny) | (absmax == 0))
+    if "std" in need:
+        ok = ok & (var >= jnp.asarray(1e-3, x.dtype) * square)  # else it cancels
+
+    def quick():
+        return mean, jnp.sqrt(var), jnp.sqrt(square), jnp.zeros(x.shape[:lanes], jnp.int32)
+
+    def careful():
+        slow = _careful_moments(x, absmax, kept, denominator, axes, inexact)
+        # lanes the quick path serves keep its values (all of them but one, usually)
+        return tuple(jnp.where(ok, a, b) for a, b in zip(quick(), slow))
+
+    return _branching.skippable(~jnp.all(ok), careful, quick)
+
+
 def _compute(
     x: Array, mask: Array | None = None, *, stats: tuple[str, ...], lanes: int | None = None
 ) -> list[Array]:
@@ -69,72 +167,18 @@ def _compute(
     x = _float(x)
     lanes = lanes or 0
     axes = tuple(range(lanes, x.ndim))
-    n = math.prod(x.shape[lanes:])
-    if mask is None:
-        full = x
-        size = denominator = jnp.asarray(n, x.dtype)
-    else:
-        # `x` with its masked elements 0, and the number of the others, per lane
-        kept = jnp.reshape(mask, jnp.shape(mask) + (1,) * (x.ndim - jnp.ndim(mask)))
-        full, x = x, jnp.where(kept, x, jnp.zeros((), x.dtype))
-        per_kept = jnp.asarray(n // math.prod(kept.shape[lanes:]), x.dtype)  # per mask element
-        size = jnp.sum(kept, axis=axes, dtype=jnp.int32).astype(x.dtype) * per_kept
-        size = jnp.broadcast_to(size, x.shape[:lanes])
-        denominator = jnp.maximum(size, jnp.ones((), x.dtype))
-
-    def lane_wise(y):  # a lane's value, broadcast against `x`
-        return jnp.reshape(y, y.shape + (1,) * len(axes))
-
-    def kept_only(y, empty):  # `y` where the mask holds, `empty` elsewhere
-        return y if mask is None else jnp.where(kept, y, jnp.asarray(empty, y.dtype))
-
+    full, x, kept, size, denominator = _apply_mask(x, mask, lanes, axes)
     absmax = jnp.max(jnp.abs(x), axis=axes)
     zero = jnp.zeros(x.shape[:lanes], x.dtype)
     out: dict[str, Array] = {"absmax": absmax}
     if need & {"mean", "std", "rms", "norm", "nonfinite"}:
-        total = jnp.sum(x, axis=axes) if need & {"mean", "std"} else zero
-        squares = jnp.sum(jnp.square(x), axis=axes) if need & {"std", "rms", "norm"} else zero
-        mean, square = total / denominator, squares / denominator
-        var = jnp.maximum(square - mean * mean, jnp.zeros((), x.dtype))
-        ok = jnp.isfinite(absmax) & jnp.isfinite(total) & jnp.isfinite(squares)
-        if need & {"std", "rms", "norm"}:  # squares of tiny values lose their digits
-            ok = ok & ((square >= jnp.finfo(x.dtype).tiny) | (absmax == 0))
-        if "std" in need:
-            ok = ok & (var >= jnp.asarray(1e-3, x.dtype) * square)  # else it cancels
-
-        def quick():
-            return mean, jnp.sqrt(var), jnp.sqrt(square), jnp.zeros(x.shape[:lanes], jnp.int32)
-
-        def careful():
-            finite = jnp.isfinite(absmax)
-            # 2**-e with `absmax < 2**e`, between 2**-126 and 2**126: exact, no subnormals
-            e = jnp.frexp(jnp.where(finite & (absmax > 0), absmax, jnp.ones_like(absmax)))[1]
-            scale = jnp.ldexp(jnp.ones_like(absmax), -jnp.clip(e, -126, 126))
-            y = x * lane_wise(scale)
-            m = jnp.sum(y, axis=axes) / denominator
-            d = kept_only(y - lane_wise(m), 0)
-            # around the computed mean, corrected for its rounding error
-            drift = jnp.sum(d, axis=axes) / denominator
-            var = jnp.sum(jnp.square(d), axis=axes) / denominator - jnp.square(drift)
-            var = jnp.maximum(var, jnp.zeros((), x.dtype))
-            if inexact:
-                count = jnp.sum(~jnp.isfinite(x), axis=axes, dtype=jnp.int32)
-            else:
-                count = jnp.zeros(x.shape[:lanes], jnp.int32)
-            nonfinite = jnp.where(finite, 0, count).astype(jnp.int32)
-            # NaN for a value that is not finite: an infinite `norm` is a finite value's
-            # overflow, which `first_nonfinite` does not report (`overflows`)
-            rms = jnp.where(finite, jnp.sqrt(var + jnp.square(m)) / scale, jnp.nan)
-            slow = (m / scale, jnp.sqrt(var) / scale, rms, nonfinite)
-            # lanes the quick path serves keep its values (all of them but one, usually)
-            return tuple(jnp.where(ok, a, b) for a, b in zip(quick(), slow))
-
-        mean, std, rms, nonfinite = _branching.skippable(~jnp.all(ok), careful, quick)
+        moments = _moments(x, absmax, kept, denominator, zero, axes, need, inexact)
+        mean, std, rms, nonfinite = moments
         norm = rms * jnp.sqrt(size)
         out.update(mean=mean, std=std, rms=rms, norm=norm, nonfinite=nonfinite)
     for name, reduce, empty in (("min", jnp.min, jnp.inf), ("max", jnp.max, -jnp.inf)):
         if name in need:
-            value = reduce(kept_only(full, empty), axis=axes)
+            value = reduce(_kept_only(full, kept, empty), axis=axes)
             out[name] = value if mask is None else jnp.where(size > 0, value, zero)
     return [out[name] for name in stats]
 
