@@ -206,6 +206,15 @@ def instrument(
     selected = _matcher(where)
     if _nnx.find(model):
         return _instrument_nnx(model, stats, grads, selected, where)
+    return _instrument_equinox(model, stats, grads, selected, where)
+
+
+def _instrument_equinox(
+    model: Any, stats: tuple, grads: bool, selected: Callable, where: Any
+) -> Any:
+    """`instrument` of Equinox modules: `model` (instrumented already or not) with each
+    selected submodule replaced by an instance of an instrumented subclass of its class,
+    holding the same arrays; a wrapper module (`__wrapped__`) rebuilt around the result."""
     found = []
 
     def wrap(path: str, module: Any) -> Any:
