@@ -52,9 +52,8 @@ def spool(
         [`eqx_logs.AbstractReduction`][] (`Stack(capacity=...)` for logs inside while loops).
     - `interval`: with `interval=k`, an event logged with a step (`log(..., step=i)`, or
         inside `scope(step=i)`) is kept where `i` is a multiple of k, whichever call it
-        happens in: in a loop calling the spooled step once per iteration, steps 0, k,
-        2k, .... An event without a step is numbered per key within each call (events 0,
-        k, 2k, ... of the call are kept).
+        happens in (steps 0, k, 2k, ... of a loop calling the spooled step); an event
+        without a step is numbered per key within each call (its events 0, k, 2k, ...).
     - `window`: reduce each run of `window` events and stack the results.
     - `tags`: keep only events carrying at least one of these tags (None keeps all).
     - `exclude`: drop events carrying any of these tags.
@@ -92,22 +91,19 @@ def spool(
         out, logs = eqx_logs.spool(f)(jnp.arange(3.0))  # logs["c"] == [0., 0., 1.]
         ```
     """
-    options = dict(
-        reduce=reduce,
-        interval=interval,
-        window=window,
-        tags=tags,
-        exclude=exclude,
-        prefix=prefix,
-        key=key,
-        across=across,
-        first_nonfinite=first_nonfinite,
-    )
+    options = dict(reduce=reduce, interval=interval, window=window, tags=tags, exclude=exclude)
+    options.update(prefix=prefix, key=key, across=across, first_nonfinite=first_nonfinite)
     if fun is None:
         policy = with_options(policy, "eqx_logs.spool", **options)
         return functools.partial(spool, policy=policy, keep=keep)
-    if policy is None and key is None and isinstance(fun, types.FunctionType):
-        # `spool(f)(x)` written inline in a loop: the same (immutable) object every time
+    return _spooled(fun, policy, keep, options)
+
+
+def _spooled(fun: Callable, policy: Any, keep: bool, options: dict[str, Any]) -> "_Spooled":
+    """`spool(fun, policy=policy, keep=keep, **options)`. A plain function spooled without a
+    policy or a key (`spool(f)(x)` written inline in a loop) gets the same (immutable) object
+    every time: cached by `_spool_of`."""
+    if policy is None and options["key"] is None and isinstance(fun, types.FunctionType):
         try:
             return _spool_of(fun, keep, tuple(options.items()))
         except TypeError:  # an option that is not hashable (or a bad one: raised below)
