@@ -300,71 +300,42 @@ class AbstractLogger(eqx.Module):
         passed to the compiled step as a traced scalar, whatever it is (a Python int
         compiles nothing new), and it is the step of every event inside `fun` logged
         without one of its own (as in `eqx_logs.scope(step=i)`). With `interval=k`, a call
-        whose step is a Python int that is not a multiple of k runs a second compiled step:
-        `fun` with every log removed (nothing computed for logs, nothing returned, nothing
-        for the writer), where its trace finds every event at the call's step (logged
-        without `step=`, or with `step=` that very argument); where some event is at another
-        step (`step=2 * i`, a step passed into an inner `jax.jit`), that program keeps its
-        logs, gated on the device, as without `step=`, with a warning naming the event. The
-        written rows are the same either way. (The second program is traced and compiled
-        once, beside the first.) A step given as a JAX array is never read
-        on the host (reading it could wait for the device): every call runs its logs, gated
-        on the device. With `first_nonfinite`, every call runs its logs (the search looks
-        at every event).
+        whose step is a Python int that is not a multiple of k runs a second compiled step
+        (traced and compiled once, beside the first): `fun` with every log removed (nothing
+        computed, returned or written for logs), where its trace finds every event at the
+        call's step (logged without `step=`, or with `step=` that very argument); where some
+        event is at another step (`step=2 * i`, a step passed into an inner `jax.jit`), that
+        program keeps its logs, gated on the device, with a warning naming the event. A step
+        given as a JAX array is never read on the host (that could wait for the device), and
+        with `first_nonfinite` the search looks at every event: then every call runs its
+        logs, gated on the device. The written rows are the same either way.
 
-        The compiled step holds no host callback and no effect, so each call takes JAX's
-        fast dispatch path, and returns once the step is dispatched, as a `jax.jit` call
-        does: the next step queues behind it on the device. (`eqx.filter_jit` waits for the
-        device at every call, so that an `eqx.error_if` raises there with Equinox's message;
-        here such an error is JAX's runtime error, which holds the message, raised by a
-        later call or where the outputs are read.) As in `eqx.filter_jit`, the arguments
-        are bound to `fun`'s signature, the arrays among them are traced and every other
-        leaf is compiled in (a new value compiles the step anew). Its logs come out as
-        arrays and are handed, as they are, to the logger's writer thread, which waits for
-        the device, fetches the keys that hold events (the steps an `interval` skips hold
-        none, and cost a transfer of their counts alone) and writes them, in order. The
-        training loop never waits for the device because of logging. (Logging inside the
-        step is as for [`eqx_logs.spool`][]: same options; `donate` as for
-        `eqx.filter_jit`, but for `fun`'s own arrays, a model's, which are never donated.)
-        A backend error, a value the backend cannot store and, with `first_nonfinite`, a
+        The compiled step holds no host callback and no effect: each call takes JAX's fast
+        dispatch path and returns once the step is dispatched, as a `jax.jit` call does. Its
+        logs are handed, as arrays, to the logger's writer thread, which waits for the
+        device, fetches the keys that hold events and writes them, in order: the loop never
+        waits for the device because of logging. (`eqx.filter_jit` waits at every call, so
+        that an `eqx.error_if` raises there; here it is JAX's runtime error, which holds the
+        message, raised by a later call or where the outputs are read.) The arguments are
+        bound and filtered as by `eqx.filter_jit` (a new value of a leaf that is not an array
+        compiles the step anew); `donate` is as there, but `fun`'s own arrays (a model's) are
+        never donated; the other options are [`eqx_logs.spool`][]'s. A backend error, a
+        value the backend cannot store and, with `first_nonfinite`, a
         [`eqx_logs.loggers.NonfiniteWarning`][] come from the next call into the logger.
 
-        In that loop `logger.jit` writes what `eqx.filter_jit(logger.spool(...))` and
-        `eqx.filter_jit(logger.tap(...))` write, without the host callback those put in
-        every step: each call is one step, its events are written once it has run.
-        (`logger.tap` is for events streamed out of a long call, a `lax.scan` over many
-        steps, while it runs.)
-        Called inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in
-        `eqx.filter_jit`, with the host callback that needs.
+        It writes what `eqx.filter_jit(logger.spool(...))` and `eqx.filter_jit(logger.tap(...))`
+        write, without the host callback those put in every step (`logger.tap` is for events
+        streamed out of a long call, a `lax.scan` over many steps, while it runs). Called
+        inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in `eqx.filter_jit`,
+        with the host callback that needs. More in the guide: "The training loop and the
+        loggers".
         """
         _check_fun(self, "jit", fun)
         _check_state(self, "jit", state)
-        policy = with_options(
-            policy,
-            "logger.jit",
-            reduce=reduce,
-            interval=interval,
-            window=window,
-            tags=tags,
-            exclude=exclude,
-            prefix=prefix,
-            key=key,
-            across=across,
-            first_nonfinite=first_nonfinite,
-        )
-        if step is None:
-            spooled = _spool(fun, policy=policy, keep=keep)
-            jitted, skip, gate = Jit(build(Packing, spooled), donate), None, None
-        else:
-            at = StepArg.of(fun, step, "logger.jit")
-            spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
-            packing, last = build(Packing, spooled), Last()
-            jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
-            # (`first_nonfinite` looks at every event, those an interval skips too)
-            if policy.interval > 1 and not policy.first_nonfinite:
-                gate = Gate(at, policy.interval)
-                skipping = build_wrapper(Skipping, packing, at, policy.interval)
-                skip = Jit(skipping, donate, step=at, last=last)
+        options = dict(reduce=reduce, interval=interval, window=window, tags=tags, exclude=exclude)
+        options.update(prefix=prefix, key=key, across=across, first_nonfinite=first_nonfinite)
+        policy = with_options(policy, "logger.jit", **options)
+        spooled, jitted, skip, gate = _jitted_step(fun, policy, keep, donate, step)
         feed = self._sink.feed(state)
         return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, gate)
 
@@ -454,6 +425,28 @@ def _check_fun(logger: AbstractLogger, method: str, fun: Any) -> None:
         f"{name} expects a callable, got {type(fun).__name__}: it takes the function to run, "
         f"then the logger's state, `logger.{method}(fun, logger.init())`{bare}."
     )
+
+
+def _jitted_step(
+    fun: Callable, policy: Policy, keep: bool, donate: Donate, step: str | None
+) -> tuple[Any, Jit, Jit | None, Gate | None]:
+    """`logger.jit`'s programs: `(spooled, jitted, skip, gate)`, `fun` spooled, the compiled
+    step that runs it, and, with a `step` parameter and an interval (and no
+    `first_nonfinite`), the second compiled step without logs and the host's gate that
+    chooses between them (else None)."""
+    if step is None:
+        spooled = _spool(fun, policy=policy, keep=keep)
+        return spooled, Jit(build(Packing, spooled), donate), None, None
+    at = StepArg.of(fun, step, "logger.jit")
+    spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
+    packing, last = build(Packing, spooled), Last()
+    jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
+    # (`first_nonfinite` looks at every event, those an interval skips too)
+    if policy.interval > 1 and not policy.first_nonfinite:
+        gate = Gate(at, policy.interval)
+        skipping = build_wrapper(Skipping, packing, at, policy.interval)
+        skip = Jit(skipping, donate, step=at, last=last)
+    return spooled, jitted, skip, gate
 
 
 def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> None:
