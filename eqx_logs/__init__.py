@@ -1,31 +1,29 @@
 """eqx_logs: imperative-style logging for JAX, done functionally."""
 
-from ._buffers import (
-    Collect as Collect,
-    Fanout as Fanout,
-    Sample as Sample,
-    Stack as Stack,
-    Window as Window,
-)
 from ._instrument import instrument as instrument
 from ._log import log as log, log_grad as log_grad
 from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
 from ._plant import plant as plant, sow as sow
-from ._policy import Policy as Policy
 from ._primitive import LostEventsWarning as LostEventsWarning
-from ._reductions import (
+from ._reduce import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,
+    Collect as Collect,
     Count as Count,
+    Fanout as Fanout,
     First as First,
     Histogram as Histogram,
     Last as Last,
     Max as Max,
     Mean as Mean,
     Min as Min,
+    Policy as Policy,
+    Sample as Sample,
+    Stack as Stack,
     Std as Std,
     Sum as Sum,
     Var as Var,
+    Window as Window,
 )
 from ._scope import scope as scope
 from ._spool import nolog as nolog, spool as spool

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._buffers import as_reduction
+from ._reduce import as_reduction
 
 # Attributes of LogDict that a step name would shadow.
 # LogDict's attributes, and the fields of a logger's records (`loggers.records`)

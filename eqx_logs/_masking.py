@@ -20,8 +20,8 @@ from jax import lax
 
 from . import _compat, _lanes
 from ._interpret import Handler, Interpreter
-from ._policy import Policy
 from ._primitive import log_effect, masked_events, rebind
+from ._reduce import Policy
 from ._rules import RULES
 from ._stats import masked
 

@@ -19,7 +19,6 @@ from ._interpret import (
     site_list as _site_list,
     vmap_n as _vmap,
 )
-from ._policy import DROP, Policy
 from ._primitive import (
     bind,
     call_site,
@@ -29,7 +28,7 @@ from ._primitive import (
     normalise_tags,
     sow_p,
 )
-from ._reductions import Count
+from ._reduce import DROP, Count, Policy
 from ._rules import RULES
 from ._spool import build_wrapper, carrying, trace_filtered
 

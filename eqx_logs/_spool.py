@@ -16,9 +16,8 @@ from jaxtyping import PRNGKeyArray, PyTree
 from . import _compat, _masking, _nnx  # noqa: F401  (_masking: registers batching rules)
 from ._interpret import Spool, warn_unmatched
 from ._logdict import LogDict
-from ._policy import Policy, with_options
 from ._primitive import current_prefix, tracing_context
-from ._reductions import AbstractReduction
+from ._reduce import AbstractReduction, Policy, with_options
 from ._retrace import OPEN, finish, fun_name, note_compile
 from ._rules import RULES
 

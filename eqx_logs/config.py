@@ -28,7 +28,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ._checks import is_count
-from ._policy import Policy, as_reduction
+from ._reduce import Policy, as_reduction
 from ._stats import DEFAULT_STATS, STATS, check_stats
 
 _M = TypeVar("_M")

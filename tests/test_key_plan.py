@@ -15,7 +15,7 @@ import eqx_logs as el
 from eqx_logs._interpret import _keys
 from eqx_logs._interpret._manual import ManualAxes
 from eqx_logs._interpret._plan import Plan
-from eqx_logs._policy import Policy
+from eqx_logs._reduce import Policy
 from eqx_logs._rules import RULES
 from eqx_logs._scope import logging_as
 

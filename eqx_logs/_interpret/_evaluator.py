@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _compat, _lanes
 from .._deferred import Lazy, Producers, log_only
-from .._policy import Policy
 from .._primitive import is_log, is_sow
+from .._reduce import Policy
 from .._stats import stats_p
 from ._handler import Handler
 from ._lane_context import LaneContext

@@ -18,8 +18,8 @@ import jax.tree_util as jtu
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .. import _compat
-from .._buffers import as_reduction
 from .._primitive import is_log
+from .._reduce import as_reduction
 
 
 @dataclasses.dataclass

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _compat
 from .._methods import method
-from .._policy import Policy
 from .._primitive import current_prefix, is_log, log_effect, logging_as
+from .._reduce import Policy
 from . import _keys
 from ._keys import KeyInfo, site_list
 from ._manual import ManualAxes

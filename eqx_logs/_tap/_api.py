@@ -10,10 +10,9 @@ import jax.tree_util as jtu
 import numpy as np
 
 from .. import _compat
-from .._buffers import Stack
 from .._interpret import warn_unmatched
-from .._policy import Policy, with_options
 from .._primitive import current_prefix
+from .._reduce import Policy, Stack, with_options
 from .._retrace import OPEN, finish, fun_key, fun_name, note_compile
 from .._spool import build_wrapper, carrying, trace_filtered, under_jax_jit
 from ._handler import Tap

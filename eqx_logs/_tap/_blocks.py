@@ -21,9 +21,9 @@ from jax import lax
 
 from .. import _compat, _lanes
 from .._branching import skippable
-from .._buffers import cast_event
 from .._deferred import Lazy, force, stop_gradient
 from .._interpret import site_list, widened
+from .._reduce import cast_event
 
 BLOCK = "\x00block"  # a group's block state: `states[group + BLOCK]`
 

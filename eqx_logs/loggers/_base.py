@@ -12,7 +12,7 @@ from jaxtyping import ArrayLike, PRNGKeyArray
 
 from .. import _compat
 from .._logdict import LogDict
-from .._policy import Policy, with_options
+from .._reduce import Policy, with_options
 from .._retrace import fun_name
 from .._spool import build, build_wrapper, spool as _spool, under_jax_jit
 from .._tap import check_buffer, check_tap_options, tap_with

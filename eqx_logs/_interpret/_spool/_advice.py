@@ -1,7 +1,7 @@
 """Advice after a run: what in the policy most likely holds a typo, and step-less keys that
 `interval` numbers per call (warned at the user's call)."""
 
-from ..._policy import Policy, unmatched
+from ..._reduce import Policy, unmatched
 from ..._scope import INTERVAL_STEP
 from ..._warn import warn_user
 from .._keys import site_list
@@ -12,7 +12,7 @@ from ._store import Store
 def warn_unmatched(plan: Plan, who: str, store: Store | None = None) -> None:
     """After a run: warn (at the user's call) for what in the policy most likely holds a
     typo: `tags` that selected nothing, an `exclude` tag or `rules` pattern that matches
-    nothing but resembles a tag or key logged (`_policy.unmatched`); with spool's `store`,
+    nothing but resembles a tag or key logged (`_reduce.unmatched`); with spool's `store`,
     for step-less keys that `interval` numbers per call (`_stepless`)."""
     policy = plan.policy
     if not isinstance(policy, Policy) or not plan.selected:

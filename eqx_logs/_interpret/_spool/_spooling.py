@@ -14,8 +14,8 @@ from ... import _branching, _lanes
 from ..._deferred import Lazy, force
 from ..._logdict import LogDict
 from ..._methods import method
-from ..._policy import Policy
 from ..._primitive import rebind
+from ..._reduce import Policy
 from .._evaluator import Interpreter
 from .._gate import items_of, mask_of, pass_on, selects, steps_of
 from .._handler import Handler, Stream

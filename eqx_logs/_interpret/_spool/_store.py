@@ -19,9 +19,8 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ... import _compat
-from ..._buffers import NeedsBound, cast_event
 from ..._methods import method
-from ..._policy import Policy
+from ..._reduce import NeedsBound, Policy, cast_event
 from ..._scope import INTERVAL_STEP
 from .._gate import Interval
 from .._keys import KeyInfo, site_list

@@ -15,9 +15,9 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ... import _compat, _lanes
-from ..._buffers import Stack
 from ..._methods import method
 from ..._primitive import is_log
+from ..._reduce import Stack
 from .._handler import Stream
 from .._keys import keys_of
 from .._lane_context import LaneContext

@@ -10,10 +10,10 @@ import equinox as eqx
 import jax
 from jaxtyping import PRNGKeyArray
 
+from .._checks import check_count
+from .._spelling import closest
 from ._buffers import DROP, Window, as_reduction
-from ._checks import check_count
 from ._reductions import AbstractReduction
-from ._spelling import closest
 
 
 def _strings(name: str, value: Any, *, optional: bool) -> tuple[str, ...] | None:

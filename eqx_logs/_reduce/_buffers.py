@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._checks import check_count
+from .._checks import check_count
 from ._reductions import (
     AbstractReduction,
     Count,

@@ -15,7 +15,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array, Bool, PRNGKeyArray, PyTree
 
-from ._checks import check_count, check_number
+from .._checks import check_count, check_number
 
 
 class AbstractReduction(eqx.Module):

@@ -1,0 +1,31 @@
+"""Reductions, the buffers that keep events, the reductions by name and the policy that picks
+them per key: what a spool (or tap's buffer) folds events into."""
+
+from ._buffers import (
+    DROP as DROP,
+    Collect as Collect,
+    Fanout as Fanout,
+    NeedsBound as NeedsBound,
+    Sample as Sample,
+    Stack as Stack,
+    Window as Window,
+    as_reduction as as_reduction,
+    cast_event as cast_event,
+)
+from ._policy import Policy as Policy, unmatched as unmatched, with_options as with_options
+from ._reductions import (
+    EMA as EMA,
+    AbstractReduction as AbstractReduction,
+    Count as Count,
+    First as First,
+    Histogram as Histogram,
+    Last as Last,
+    Max as Max,
+    Mean as Mean,
+    Min as Min,
+    Std as Std,
+    Sum as Sum,
+    Var as Var,
+    nan_or_zero as nan_or_zero,
+    select_valid as select_valid,
+)
