@@ -2,16 +2,14 @@
 them per key: what a spool (or tap's buffer) folds events into."""
 
 from ._buffers import (
-    DROP as DROP,
     Collect as Collect,
-    Fanout as Fanout,
     NeedsBound as NeedsBound,
     Sample as Sample,
     Stack as Stack,
-    Window as Window,
-    as_reduction as as_reduction,
     cast_event as cast_event,
 )
+from ._composites import Fanout as Fanout, Window as Window
+from ._names import DROP as DROP, as_reduction as as_reduction
 from ._policy import Policy as Policy, unmatched as unmatched, with_options as with_options
 from ._reductions import (
     EMA as EMA,

@@ -12,7 +12,8 @@ from jaxtyping import PRNGKeyArray
 
 from .._checks import check_count
 from .._spelling import closest
-from ._buffers import DROP, Window, as_reduction
+from ._composites import Window
+from ._names import DROP, as_reduction
 from ._reductions import AbstractReduction
 
 
