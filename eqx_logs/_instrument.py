@@ -13,8 +13,8 @@ import jax.tree_util as jtu
 
 from . import _compat, _nnx
 from ._primitive import bind, call_site, current_prefix, grad_tap
-from ._spool import update_wrapper, without_missing
 from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
+from ._wrapper import update_wrapper, without_missing
 
 _M = TypeVar("_M")
 

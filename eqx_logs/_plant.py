@@ -2,7 +2,7 @@
 patching)."""
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
 import jax
@@ -30,7 +30,8 @@ from ._primitive import (
 )
 from ._reduce import DROP, Count, Policy
 from ._rules import RULES
-from ._spool import build_wrapper, carrying, trace_filtered
+from ._spool import trace_filtered
+from ._wrapper import AbstractWrapper, build_wrapper, carrying
 
 _T = TypeVar("_T")
 
@@ -169,13 +170,13 @@ class _Plant(Spool):
         return _vmap(take, nbatch)(rows, jnp.broadcast_to(count, x.shape[:nbatch]))
 
 
-class _Planted(eqx.Module):
+class _Planted(AbstractWrapper):
+    """`plant(fun, values)`: a pytree of `fun` and the values (see `AbstractWrapper`)."""
+
     fun: Callable
     values: dict[str, Any]
 
-    # `jax.jit(plant(f, values))` hashes the function: by identity (the values are arrays)
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
+    shown: ClassVar[str] = "eqx_logs.plant"
 
     @property
     def __wrapped__(self):

@@ -3,18 +3,18 @@
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import equinox as eqx
-import jax.tree_util as jtu
 import numpy as np
 
 from .. import _compat
 from .._interpret import warn_unmatched
 from .._primitive import current_prefix
 from .._reduce import Policy, Stack, with_options
-from .._retrace import OPEN, finish, fun_key, fun_name, note_compile
-from .._spool import build_wrapper, carrying, trace_filtered, under_jax_jit
+from .._retrace import OPEN, finish, fun_key, note_compile
+from .._spool import trace_filtered
+from .._wrapper import AbstractWrapper, build_wrapper, carrying
 from ._handler import Tap
 
 _T = TypeVar("_T")
@@ -204,7 +204,7 @@ def tap_with(
     return build_wrapper(_Tapped, fun, policy, sink, context, every_process, buffer)
 
 
-class _Tapped(eqx.Module):
+class _Tapped(AbstractWrapper):
     """`tap(fun)`: a pytree of `fun`, the policy and the context, like `eqx.filter_jit(fun)`
     (see `_Spooled`)."""
 
@@ -215,10 +215,7 @@ class _Tapped(eqx.Module):
     every_process: bool = eqx.field(default=False, static=True)
     buffer: int | None = eqx.field(default=None, static=True)
 
-    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
-    # arrays, a model's or a logger state).
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
+    shown: ClassVar[str] = "eqx_logs.tap"
 
     @property
     def __wrapped__(self):
@@ -226,12 +223,6 @@ class _Tapped(eqx.Module):
 
     def __call__(self, *args, **kwargs):
         return carrying(self, "eqx_logs.tap", _Tapped._run, args, kwargs)
-
-    def __repr__(self) -> str:
-        return f"eqx_logs.tap({fun_name(self.fun)})"
-
-    def __str__(self) -> str:  # (see `under_jax_jit`)
-        return under_jax_jit(repr(self))
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
         # the enclosing scope changes the keys `fun` logs, so it is part of the cache key
@@ -244,10 +235,6 @@ class _Tapped(eqx.Module):
         finally:
             if OPEN:  # (a compilation of a Python scalar's value: timed, maybe said)
                 finish()
-
-    def __get__(self, instance, owner):  # a decorated method binds like a function
-        del owner
-        return self if instance is None else jtu.Partial(self, instance)
 
 
 class _Callback(eqx.Module):

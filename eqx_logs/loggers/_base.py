@@ -3,7 +3,7 @@
 import abc
 import functools
 from collections.abc import Callable
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import equinox as eqx
 import jax
@@ -13,9 +13,9 @@ from jaxtyping import ArrayLike, PRNGKeyArray
 from .. import _compat
 from .._logdict import LogDict
 from .._reduce import Policy, with_options
-from .._retrace import fun_name
-from .._spool import build, build_wrapper, spool as _spool, under_jax_jit
+from .._spool import spool as _spool
 from .._tap import check_buffer, check_tap_options, tap_with
+from .._wrapper import AbstractWrapper, build, build_wrapper
 from ._host import Record
 from ._jit import Donate, Jit, Last
 from ._packed import Packed, unpack
@@ -491,25 +491,16 @@ def _write(logger: AbstractLogger, logs: LogDict | Packed, state: LoggerState | 
 # (an Equinox model's arrays are leaves) and the state, like `eqx.filter_jit(fun)`.
 
 
-class _LoggerSpooled(eqx.Module):
+class _LoggerSpooled(AbstractWrapper):
     logger: AbstractLogger
     spooled: Callable
     state: LoggerState
 
-    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
-    # arrays, a model's or a logger state).
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
+    shown: ClassVar[str] = "spool"
 
     @property
     def __wrapped__(self):
         return self.spooled.__wrapped__
-
-    def __repr__(self) -> str:
-        return f"{type(self.logger).__name__}.spool({fun_name(self.__wrapped__)})"
-
-    def __str__(self) -> str:  # (see `under_jax_jit`)
-        return under_jax_jit(repr(self))
 
     def __call__(self, *args, **kwargs):
         logger = self.logger
@@ -519,7 +510,7 @@ class _LoggerSpooled(eqx.Module):
         return out
 
 
-class _LoggerJitted(eqx.Module):
+class _LoggerJitted(AbstractWrapper):
     logger: AbstractLogger
     spooled: Callable
     jitted: Jit  # `spooled`, its logs packed, compiled (as by `eqx.filter_jit`, without its wait)
@@ -531,18 +522,12 @@ class _LoggerJitted(eqx.Module):
     skip: Jit | None
     gate: Gate | None
 
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
+    shown: ClassVar[str] = "jit"
+    compiles: ClassVar[bool] = True
 
     @property
     def __wrapped__(self):
         return self.spooled.__wrapped__
-
-    def __repr__(self) -> str:
-        return f"{type(self.logger).__name__}.jit({fun_name(self.__wrapped__)})"
-
-    def __str__(self) -> str:  # (see `under_jax_jit`)
-        return under_jax_jit(repr(self), compiles=True)
 
     def __call__(self, *args, **kwargs):
         if _compat.tracing():  # inside jit or vmap: a LogDict, for a host callback
@@ -563,24 +548,15 @@ class _LoggerJitted(eqx.Module):
         return out
 
 
-class _LoggerTapped(eqx.Module):
+class _LoggerTapped(AbstractWrapper):
     logger: AbstractLogger
     tapped: Callable
 
-    # `jax.jit(spool(f))` hashes the function: by identity, like a closure (the fields may be
-    # arrays, a model's or a logger state).
-    __hash__ = object.__hash__
-    __eq__ = object.__eq__
+    shown: ClassVar[str] = "tap"
 
     @property
     def __wrapped__(self):
         return self.tapped.__wrapped__
-
-    def __repr__(self) -> str:
-        return f"{type(self.logger).__name__}.tap({fun_name(self.__wrapped__)})"
-
-    def __str__(self) -> str:  # (see `under_jax_jit`)
-        return under_jax_jit(repr(self))
 
     def __call__(self, *args, **kwargs):
         self.logger._sink.check()
