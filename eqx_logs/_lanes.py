@@ -123,7 +123,7 @@ def has_lanes(closed: Any, *, nested: bool = False) -> bool:
     `nested`) anywhere in it."""
     if nested:
         return _compat.any_eqn(closed, is_lane_primitive)
-    return any(is_lane_primitive(eqn) for eqn in _compat.unpack(closed)[0].eqns)
+    return any(is_lane_primitive(eqn) for eqn in _compat.eqns(closed, deep=False))
 
 
 def lane_value(eqn: _compat.JaxprEqn, invals: Sequence[Any]) -> Any:

@@ -133,3 +133,36 @@ def test_eqn_location_is_the_users_line_not_eqx_logs():
     (eqn,) = [e for e in jaxpr.eqns if is_log(e)]
     where = _compat.eqn_location(eqn)
     assert where == f"{__file__}:{f.__code__.co_firstlineno + 1} ({f.__qualname__})", where
+
+
+def test_eqns_walks_every_depth_in_program_order():
+    """`_compat.eqns`, the one walk over jaxprs: each equation, then (deep) those of the jaxprs
+    it holds, against the jaxpr's own nesting read by hand."""
+
+    def f(x):
+        y = jnp.sin(x)
+
+        def body(c, _):
+            return lax.cond(c.sum() > 0, jnp.cos, jnp.tanh, c), None
+
+        return lax.scan(body, y, length=2)[0] * 2.0
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    top = list(closed.jaxpr.eqns)
+    assert list(_compat.eqns(closed, deep=False)) == top
+
+    def by_hand(jaxpr):
+        out = []
+        for eqn in jaxpr.eqns:
+            out.append(eqn)
+            for sub in _compat.sub_jaxprs(eqn.params):
+                out += by_hand(_compat.unpack(sub)[0])
+        return out
+
+    deep = list(_compat.eqns(closed))
+    assert deep == by_hand(closed.jaxpr)
+    names = [e.primitive.name for e in deep]
+    assert {"sin", "scan", "cond", "cos", "tanh", "mul"} <= set(names)
+    assert names.index("scan") < names.index("cond") < names.index("cos") < names.index("mul")
+    assert _compat.any_eqn(closed, lambda e: e.primitive.name == "tanh")
+    assert not _compat.any_eqn(closed, lambda e: e.primitive.name == "exp")

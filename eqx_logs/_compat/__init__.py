@@ -81,6 +81,7 @@ from ._jaxprs import (
     any_eqn as any_eqn,
     bind_eqn as bind_eqn,
     eqn_location as eqn_location,
+    eqns as eqns,
     function_name as function_name,
     is_high as is_high,
     is_jaxpr as is_jaxpr,

@@ -69,12 +69,21 @@ def sub_jaxprs(params: dict[str, Any]) -> Iterator[Any]:
             yield from _hi_jaxprs(value)
 
 
+def eqns(closed: Any, *, deep: bool = True) -> Iterator[JaxprEqn]:
+    """The equations of `closed` in program order, each followed (with `deep`) by those of the
+    jaxprs it holds (`sub_jaxprs`), at any depth. This is the one walk over jaxprs: what looks
+    at equations (the plan, streaming, tap's splitters, the custom rules' checks) is a loop
+    over it. Lazy: a search stops where it finds."""
+    for eqn in unpack(closed)[0].eqns:
+        yield eqn
+        if deep:
+            for sub in sub_jaxprs(eqn.params):
+                yield from eqns(sub)
+
+
 def any_eqn(closed: Any, pred: Callable[[JaxprEqn], bool]) -> bool:
     """Whether an equation of `closed`, at any depth (`sub_jaxprs`), satisfies `pred`."""
-    return any(
-        pred(eqn) or any(any_eqn(sub, pred) for sub in sub_jaxprs(eqn.params))
-        for eqn in unpack(closed)[0].eqns
-    )
+    return any(pred(eqn) for eqn in eqns(closed))
 
 
 def _hi_jaxprs(prim: Any) -> Iterator[Any]:

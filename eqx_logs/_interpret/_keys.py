@@ -181,10 +181,7 @@ def events_per_log(infos: dict[str, KeyInfo], eqn: _compat.JaxprEqn, key: str) -
 def check_rule_dtypes(infos: dict[str, KeyInfo], closed: Any, name: str) -> None:
     """Every log in `closed`, the custom derivative rule of `name`, logs each key known
     here with its dtype (a rule's events replace its primal's under differentiation)."""
-    jaxpr, _ = _compat.unpack(closed)
-    for eqn in jaxpr.eqns:
-        for sub in _compat.sub_jaxprs(eqn.params):
-            check_rule_dtypes(infos, sub, name)
+    for eqn in _compat.eqns(closed):
         if not is_log(eqn):
             continue
         treedef = eqn.params["treedef"]

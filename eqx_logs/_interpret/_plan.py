@@ -10,7 +10,7 @@ stays unique), and the policy's answers per tag and key.
 """
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import _compat
@@ -49,11 +49,8 @@ _HI_HINT = (
 
 def _log_sites(eqn: _compat.JaxprEqn) -> list[str]:
     """The call sites of the logs inside `eqn`, however deeply nested."""
-    sites = []
-    for sub in _compat.sub_jaxprs(eqn.params):
-        for inner in _compat.unpack(sub)[0].eqns:
-            sites += [inner.params["site"]] if is_log(inner) else _log_sites(inner)
-    return sites
+    subs = _compat.sub_jaxprs(eqn.params)
+    return [e.params["site"] for sub in subs for e in _compat.eqns(sub) if is_log(e)]
 
 
 def _add(a: Counts, b: Counts, scale: int = 1) -> Counts:
@@ -150,8 +147,8 @@ class Plan:
     def has_log(self, closed: Any) -> bool:
         hit = self._has_log.get(id(closed))
         if hit is None:
-            jaxpr, _ = _compat.unpack(closed)
-            found = any(is_log(e) or self.eqn_has_log(e) for e in jaxpr.eqns)
+            top = _compat.eqns(closed, deep=False)
+            found = any(is_log(e) or self.eqn_has_log(e) for e in top)
             hit = self._has_log[id(closed)] = (closed, found)
         return hit[1]
 
@@ -202,17 +199,15 @@ class Plan:
         hit = self._counts.get(id(closed))
         if hit is not None:
             return hit[1]
-        jaxpr, _ = _compat.unpack(closed)
         # each log and each loop or call with logs: the batched-cond branches it is in, and
         # its counts (`_exclusive` adds them up)
         parts: list[tuple[tuple[tuple[int, int], ...], Counts]] = []
-        for eqn in jaxpr.eqns:
-            if is_log(eqn):
-                if self.selects(eqn.params["tags"]):
-                    keys = self._record(eqn)
-                    counts = {k: self.events_per_log(eqn, k) for k in keys}
-                    parts.append((eqn.params["branches"], counts))
-            elif self.eqn_has_log(eqn):
+        for eqn, logs in self.logging(closed):
+            if logs:
+                keys = self._record(eqn)
+                counts = {k: self.events_per_log(eqn, k) for k in keys}
+                parts.append((eqn.params["branches"], counts))
+            else:
                 self._outer.append(eqn)  # (for the location of an error inside it)
                 try:
                     parts.append((self._branches(eqn), self.rule(eqn).count(self, eqn)))
@@ -221,6 +216,18 @@ class Plan:
         total = _exclusive(parts, 0)
         self._counts[id(closed)] = (closed, total)
         return total
+
+    def logging(self, closed: Any) -> Iterator[tuple[_compat.JaxprEqn, bool]]:
+        """The equations at the top level of `closed` that the plan's visitors look at (its
+        count, spool's streaming, tap's splitters), in program order: each log the policy
+        selects, with True; each equation that holds logs (a loop, a call: its rule answers
+        for what is inside), with False."""
+        for eqn in _compat.eqns(closed, deep=False):
+            if is_log(eqn):
+                if self.selects(eqn.params["tags"]):
+                    yield eqn, True
+            elif self.eqn_has_log(eqn):
+                yield eqn, False
 
     def program(self, closed: Any) -> Counts:
         """`count` of the whole program `closed`, its keys' records frozen: a first walk
@@ -269,8 +276,7 @@ class Plan:
         loop, a call) is in: its events are those branches' too."""
         common = None
         for sub in _compat.sub_jaxprs(eqn.params):
-            jaxpr, _ = _compat.unpack(sub)
-            for inner in jaxpr.eqns:
+            for inner in _compat.eqns(sub, deep=False):
                 if is_log(inner):
                     pairs = set(inner.params["branches"])
                 elif self.eqn_has_log(inner):

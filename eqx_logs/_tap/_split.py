@@ -18,7 +18,6 @@ from jax import lax
 
 from .. import _compat
 from .._interpret import INTERVAL_STEP, keys_of
-from .._primitive import is_log
 from .._rules import split_at
 from ._blocks import BLOCK
 
@@ -34,17 +33,15 @@ def _per_iteration(tap: Any, closed: Any, stepped: bool = False) -> dict[str, in
     `stepped`: with `interval=1` a step keeps nothing); else None."""
     plan = tap.interp.plan
     total: dict[str, int] = {}
-    for eqn in _compat.unpack(closed)[0].eqns:
-        if is_log(eqn):
-            if not plan.selects(eqn.params["tags"]):
-                continue
+    for eqn, logs in plan.logging(closed):
+        if logs:
             groups = _groups_of(tap, eqn)
             by_step = INTERVAL_STEP in eqn.params["steps"] and not stepped
             if groups and (eqn.params["masked"] or by_step):
                 return None  # conditional, or kept by its step value
             for g in groups:
                 total[g] = total.get(g, 0) + 1
-        elif plan.eqn_has_log(eqn):
+        else:
             rule = plan.rule(eqn)
             if rule.straight:
                 sub = _per_iteration(tap, _compat.call_jaxpr(eqn), stepped)

@@ -16,7 +16,6 @@ from jax import lax
 
 from ... import _compat, _lanes
 from ..._methods import method
-from ..._primitive import is_log
 from ..._reduce import Stack
 from .._handler import Stream
 from .._keys import keys_of
@@ -59,17 +58,15 @@ def streamed(
     per_iteration: dict[str, int] = {}
     excluded: set[str] = set()
     nested = not lanes.values and not _lanes.has_lanes(body, nested=True)
-    for eqn in _compat.unpack(body)[0].eqns:
-        if is_log(eqn):
-            if not plan.selects(eqn.params["tags"]):
-                continue
+    for eqn, logs in plan.logging(body):
+        if logs:
             for key in keys_of(eqn):
                 if key not in store.reductions:
                     continue
                 if eqn.params["masked"] or store.info[key].lanes_as_events:
                     excluded.add(key)
                 per_iteration[key] = per_iteration.get(key, 0) + 1
-        elif plan.eqn_has_log(eqn):
+        else:
             inner = {}
             if nested and plan.rule(eqn).scan:
                 inner_body, _, _ = _compat.scan_parts(eqn)
