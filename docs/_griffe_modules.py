@@ -12,11 +12,17 @@ way, so that a `field(default_factory=...)` shows the default it makes (`stats: 
 ['mean', ...]`, not `(lambda: list(DEFAULT_STATS))()`), as griffe's own dataclass support
 would show it. And a default that is a private name of the package (`log`'s `value=_MISSING`)
 is shown as the `repr` of its value (`MISSING`) where that value has a `repr` of its own.
+
+A docstring whose source holds a line `{policy_options}` (or `{tap_options}`) is filled in at
+import time from the one declaration of the policy's options (`eqx_logs/_reduce/_options.py`,
+`document_options`): for those objects the reference shows the docstring Python has, with
+the options' entries, not the source's.
 """
 
 import dataclasses
 import importlib
 import inspect
+import re
 from typing import Any
 
 import griffe
@@ -80,6 +86,28 @@ def _private_defaults(pkg: griffe.Module) -> None:
                 p.default = repr(value)
 
 
+_OPTIONS_MARKER = re.compile(r"^\s*\{(policy|tap)_options\}$", re.M)
+
+
+def _runtime(obj: griffe.Object) -> Any:
+    """The object Python has for `obj` (a function, a class, a method)."""
+    value = importlib.import_module(obj.module.path)
+    for name in obj.path[len(obj.module.path) + 1 :].split("."):
+        value = getattr(value, name)
+    return value
+
+
+def _filled_docstrings(pkg: griffe.Module) -> None:
+    """The docstrings `document_options` fills in: as Python has them."""
+    for obj in [*_classes(pkg), *_functions(pkg)]:
+        if obj.docstring is None or not _OPTIONS_MARKER.search(obj.docstring.value):
+            continue
+        doc = inspect.getdoc(_runtime(obj))
+        if _OPTIONS_MARKER.search(doc):
+            raise ValueError(f"{obj.path}: its docstring's options were not filled in.")
+        obj.docstring.value = doc
+
+
 class EquinoxModuleInit(griffe.Extension):
     def on_package(self, *, pkg: griffe.Module, **kwargs: Any) -> None:
         import equinox as eqx
@@ -126,3 +154,4 @@ class EquinoxModuleInit(griffe.Extension):
             if not module:
                 cls.labels.add("dataclass")
         _private_defaults(pkg)
+        _filled_docstrings(pkg)

@@ -4,18 +4,18 @@ import functools
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, Unpack
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
-from jaxtyping import PRNGKeyArray, PyTree
+from jaxtyping import PyTree
 
 from . import _compat, _masking, _nnx  # noqa: F401  (_masking: registers batching rules)
 from ._interpret import Spool, warn_unmatched
 from ._logdict import LogDict
 from ._primitive import current_prefix, tracing_context
-from ._reduce import AbstractReduction, Policy, with_options
+from ._reduce import Policy, PolicyOptions, check_options, document_options, with_options
 from ._retrace import OPEN, finish, note_compile
 from ._rules import RULES
 from ._wrapper import AbstractWrapper, build_wrapper, carrying
@@ -23,21 +23,14 @@ from ._wrapper import AbstractWrapper, build_wrapper, carrying
 _T = TypeVar("_T")
 
 
+@document_options
 def spool(
     fun: Callable[..., _T] | None = None,
     /,
     *,
-    policy: Any = None,
-    reduce: str | AbstractReduction | None = None,
-    interval: int | None = None,
-    window: int | None = None,
-    tags: str | tuple[str, ...] | None = None,
-    exclude: str | tuple[str, ...] | None = None,
-    prefix: str | None = None,
+    policy: Policy | None = None,
     keep: bool = False,
-    key: PRNGKeyArray | None = None,
-    across: str | tuple[str, ...] | None = None,
-    first_nonfinite: bool | None = None,
+    **options: Unpack[PolicyOptions],
 ) -> Callable[..., tuple[_T, LogDict]]:
     """Capture every [`eqx_logs.log`][] event of `fun` and return them with its output.
 
@@ -45,26 +38,14 @@ def spool(
 
     - `fun`: the function. `spool` also works as a bare decorator or with options only:
         `@eqx_logs.spool` or `@eqx_logs.spool(tags="train")`.
-    - `policy`: an [`eqx_logs.Policy`][]; the keywords below override its fields.
-    - `reduce`: the default reduction, a name (`"stack"`, `"mean"`, `"last"`, ...) or an
-        [`eqx_logs.AbstractReduction`][] (`Stack(capacity=...)` for logs inside while loops).
-    - `interval`: with `interval=k`, an event logged with a step (`log(..., step=i)`, or
-        inside `scope(step=i)`) is kept where `i` is a multiple of k, whichever call it
-        happens in (steps 0, k, 2k, ... of a loop calling the spooled step); an event
-        without a step is numbered per key within each call (its events 0, k, 2k, ...).
-    - `window`: reduce each run of `window` events and stack the results.
-    - `tags`: keep only events carrying at least one of these tags (None keeps all).
-    - `exclude`: drop events carrying any of these tags.
-    - `prefix`: prepended to every output key.
+    - `policy`: an [`eqx_logs.Policy`][]; the options below override its fields (an option
+        left out, or None, keeps the policy's).
     - `keep`: also pass the captured events on to an enclosing spool (by default an inner
         spool consumes them). Events this spool does not select always pass on.
-    - `key`: a `jax.random.key` for sampling reductions.
-    - `across`: manual mesh axes (`jax.shard_map`, `jax.pmap`) or named `jax.vmap` axes to
-        merge the devices' (lanes') results over, with each reduction's `merge` (see
-        [`eqx_logs.Policy`][]). By default a key logged inside a shard_map has one output axis per
-        manual mesh axis, after the event axis.
-    - `first_nonfinite`: also report the first event, in execution order, with a NaN or
-        infinite element, as `logs.first_nonfinite` (see [`eqx_logs.Policy`][]).
+
+    The policy's options, as for [`eqx_logs.Policy`][]:
+
+    {policy_options}
 
     **Returns:**
 
@@ -89,8 +70,8 @@ def spool(
         out, logs = eqx_logs.spool(f)(jnp.arange(3.0))  # logs["c"] == [0., 0., 1.]
         ```
     """
-    options = dict(reduce=reduce, interval=interval, window=window, tags=tags, exclude=exclude)
-    options.update(prefix=prefix, key=key, across=across, first_nonfinite=first_nonfinite)
+    if options:
+        check_options("eqx_logs.spool", options, also=("policy", "keep"))
     if fun is None:
         policy = with_options(policy, "eqx_logs.spool", **options)
         return functools.partial(spool, policy=policy, keep=keep)
@@ -101,7 +82,7 @@ def _spooled(fun: Callable, policy: Any, keep: bool, options: dict[str, Any]) ->
     """`spool(fun, policy=policy, keep=keep, **options)`. A plain function spooled without a
     policy or a key (`spool(f)(x)` written inline in a loop) gets the same (immutable) object
     every time: cached by `_spool_of`."""
-    if policy is None and options["key"] is None and isinstance(fun, types.FunctionType):
+    if policy is None and options.get("key") is None and isinstance(fun, types.FunctionType):
         try:
             return _spool_of(fun, keep, tuple(options.items()))
         except TypeError:  # an option that is not hashable (or a bad one: raised below)

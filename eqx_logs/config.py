@@ -20,15 +20,24 @@ Reductions are names (`reduce: mean`) or nested `_target_` nodes (`reduce: {_tar
 eqx_logs.Window, size: 100, inner: mean}`).
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from ._checks import is_count
-from ._reduce import Policy, as_reduction
+from ._reduce import (
+    DEFAULTS,
+    OPTIONS,
+    Policy,
+    PolicyOptions,
+    as_reduction,
+    check_options,
+    document_options,
+)
 from ._stats import DEFAULT_STATS, STATS, check_stats
 
 _M = TypeVar("_M")
@@ -171,38 +180,34 @@ def _bad(config_key: str, name: str, value: Any, why: str) -> ValueError:
     return ValueError(f"{config_key}.{name}={value!r}: {why}")
 
 
+@document_options
 def policy(
-    reduce: Any = "stack",
-    interval: int = 1,
-    window: int | None = None,
-    tags: Any = None,
-    exclude: Any = (),
-    rules: Any = None,
-    prefix: str = "",
-    seed: int | None = None,
-    across: Any = (),
-    first_nonfinite: bool = False,
-    config_key: str = "logging",
+    *, seed: int | None = None, config_key: str = "logging", **options: Unpack[PolicyOptions]
 ) -> Policy:
     """An [`eqx_logs.Policy`][] from config values (OmegaConf lists become tuples). A bad value
     raises a `ValueError` naming the config key and the value, e.g. `logging.interval=0`.
 
-    **Arguments:** as [`eqx_logs.Policy`][], except `seed` (an int; the policy's `key` is
-    `jax.random.key(seed)`), and `config_key`, the name used in error messages.
+    **Arguments:**
+
+    - `seed`: an int; the policy's `key` is `jax.random.key(seed)`.
+    - `config_key`: the name of the config group, used in error messages.
+
+    The policy's options, as for [`eqx_logs.Policy`][] (the fields of `PolicyConfig`, but
+    `key`, which `seed` gives):
+
+    {policy_options}
     """
-
+    check_options("eqx_logs.config.policy", options, also=("seed", "config_key"))
     bad = functools.partial(_bad, config_key)
-
-    for name, value, optional in (("interval", interval, False), ("window", window, True)):
-        if optional and value is None:
-            continue
-        if not is_count(value):
-            raise bad(name, value, "must be an integer from 1 to 2**31 - 1")
+    values = {**DEFAULTS, **{name: _plain(value) for name, value in options.items()}}
+    for name, optional in (("interval", False), ("window", True)):
+        if not (optional and values[name] is None or is_count(values[name])):
+            raise bad(name, values[name], "must be an integer from 1 to 2**31 - 1")
     try:
-        reduce = as_reduction(_plain(reduce), where="reduce")
+        values["reduce"] = as_reduction(values["reduce"], where="reduce")
     except ValueError as e:
-        raise bad("reduce", reduce, str(e).split(": ", 1)[-1]) from None
-    rules = _plain(rules) or {}
+        raise bad("reduce", options["reduce"], str(e).split(": ", 1)[-1]) from None
+    rules = values["rules"] = values["rules"] or {}
     if not isinstance(rules, dict):
         raise bad("rules", rules, "must be a mapping from key pattern to reduction")
     for pattern, value in rules.items():
@@ -212,29 +217,33 @@ def policy(
             raise bad(
                 f"rules.{pattern}", value, "not a reduction name, a reduction, or 'drop'"
             ) from None
-    tags, exclude, across = _plain(tags), _plain(exclude), _plain(across)
-    for name, value in (("tags", tags), ("exclude", exclude), ("across", across)):
+    for name in ("tags", "exclude", "across"):
+        value = values[name]
         if value is not None and not (
             isinstance(value, list | tuple) and all(isinstance(t, str) for t in value)
         ):
             raise bad(name, value, "must be a list of strings")
-    key = None
+        values[name] = value if value is None and name == "tags" else tuple(value or ())
     if seed is not None:
+        if values["key"] is not None:
+            raise bad("seed", seed, "give either a seed or a key, not both")
         import jax
 
-        key = jax.random.key(seed)
-    return Policy(
-        reduce=reduce,
-        interval=interval,
-        window=window,
-        tags=None if tags is None else tuple(tags),
-        exclude=tuple(exclude or ()),
-        rules=rules,
-        prefix=prefix,
-        key=key,
-        across=tuple(across or ()),
-        first_nonfinite=first_nonfinite,
-    )
+        values["key"] = jax.random.key(seed)
+    return Policy(**values)
+
+
+def check_schema(schema: type, where: str) -> None:
+    """`schema` (`PolicyConfig`) has a field for each of the policy's options (`seed` for
+    `key`): raised when this module is imported, so a new option is not forgotten here."""
+    fields = {f.name for f in dataclasses.fields(schema)}
+    wanted = [name for name in OPTIONS if name != "key"] + ["seed"]
+    missing = [name for name in wanted if name not in fields]
+    if missing:
+        raise AssertionError(f"{where} has no field for the policy's options {missing}.")
+
+
+check_schema(PolicyConfig, "eqx_logs.config.PolicyConfig")
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,15 @@ from ._buffers import (
 )
 from ._composites import Fanout as Fanout, Window as Window
 from ._names import DROP as DROP, as_reduction as as_reduction
+from ._options import (
+    DEFAULTS as DEFAULTS,
+    OPTIONS as OPTIONS,
+    TAP_OPTIONS as TAP_OPTIONS,
+    PolicyOptions as PolicyOptions,
+    TapOptions as TapOptions,
+    check_options as check_options,
+    document_options as document_options,
+)
 from ._policy import Policy as Policy, unmatched as unmatched, with_options as with_options
 from ._reductions import (
     EMA as EMA,

@@ -4,7 +4,7 @@ import fnmatch
 import functools
 import zlib
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Unpack
 
 import equinox as eqx
 import jax
@@ -14,6 +14,7 @@ from .._checks import check_count
 from .._spelling import closest
 from ._composites import Window
 from ._names import DROP, as_reduction
+from ._options import DEFAULTS, OPTIONS, PolicyOptions, check_options, document_options
 from ._reductions import AbstractReduction
 
 
@@ -37,37 +38,13 @@ def _stable_hash(name: str) -> int:
     return zlib.crc32(name.encode()) & 0x7FFFFFFF
 
 
+@document_options
 class Policy(eqx.Module):
     """Which events a spool keeps and how it reduces each key, on the accelerator.
 
-    **Arguments:**
+    **Arguments:** keywords only, each optional.
 
-    - `reduce`: the default reduction: a name (`"stack"`, `"mean"`, `"last"`, ...) or an
-        [`eqx_logs.AbstractReduction`][].
-    - `interval`: with `interval=k`, an event logged with a step (`log(..., step=i)`, or
-        inside `scope(step=i)`) is kept where `i` is a multiple of k, whichever call it
-        happens in (steps 0, k, 2k, ... across the calls of a per-step loop); an event
-        without a step is numbered per key within each call (events 0, k, 2k, ... of the
-        call are kept).
-    - `window`: shorthand for `Window(window, reduce)` on every key.
-    - `tags`: None keeps all events; otherwise only events carrying one of these tags.
-    - `exclude`: drop events carrying any of these tags.
-    - `rules`: a dict from a key pattern (`fnmatch`, e.g. `"grad/*"`) to a reduction, or to
-        `"drop"` to remove matching keys; the first matching pattern wins. In `fnmatch`, `[`
-        starts a character class: for `instrument`'s keys (`"layers[0]/rms"`) write
-        `"layers*/rms"`, or `"layers[[]0]/rms"` for a literal bracket.
-    - `prefix`: prepended to every output key.
-    - `key`: a `jax.random.key` for reductions that sample (`Sample`).
-    - `across`: names of manual mesh axes (`jax.shard_map`, `jax.pmap`) or of `jax.vmap`
-        axes (its `axis_name`) inside the spool: the events each device (or lane) reduced on
-        its own are merged over these axes, with each reduction's `merge`, in device order (a
-        Stack holds device 0's events, then device 1's, ...). The key's output then has no
-        axis for them. By default each device's result is kept, on its own axis after the
-        event axis.
-    - `first_nonfinite`: also find the first event, in execution order, whose value has a
-        NaN or infinite element: `logs.first_nonfinite` names its key, event, steps, call
-        site and pass (forward or backward). Every kept key's events are checked, those an
-        `interval` skips included.
+    {policy_options}
 
     Precedence for a key's reduction: a matching rule, then the reduction named at the
     `log(..., reduce=...)` call site, then `reduce`.
@@ -91,24 +68,15 @@ class Policy(eqx.Module):
     across: tuple[str, ...] = eqx.field(static=True)
     first_nonfinite: bool = eqx.field(static=True)
 
-    def __init__(
-        self,
-        reduce: str | AbstractReduction = "stack",
-        interval: int = 1,
-        window: int | None = None,
-        tags: Any = None,
-        exclude: Any = (),
-        rules: Mapping[str, Any] | None = None,
-        prefix: str = "",
-        key: PRNGKeyArray | None = None,
-        across: Any = (),
-        first_nonfinite: bool = False,
-    ):
+    def __init__(self, **options: Unpack[PolicyOptions]):
+        check_options("eqx_logs.Policy", options)
+        values = {**DEFAULTS, **options}
+        reduce, rules = values["reduce"], values["rules"]
         self.reduce = as_reduction(reduce, where="Policy(reduce)")
-        self.interval = interval
-        self.window = window
-        self.tags = _strings("tags", tags, optional=True)
-        self.exclude = _strings("exclude", exclude, optional=False)
+        self.interval = values["interval"]
+        self.window = values["window"]
+        self.tags = _strings("tags", values["tags"], optional=True)
+        self.exclude = _strings("exclude", values["exclude"], optional=False)
         if rules is None:
             rules = {}
         if not isinstance(rules, Mapping):
@@ -119,10 +87,10 @@ class Policy(eqx.Module):
             (pattern, as_reduction(r, allow_drop=True, where=f"Policy(rules[{pattern!r}])"))
             for pattern, r in rules.items()
         )
-        self.prefix = prefix
-        self.key = key
-        self.across = _strings("across", across, optional=False)
-        self.first_nonfinite = first_nonfinite
+        self.prefix = values["prefix"]
+        self.key = values["key"]
+        self.across = _strings("across", values["across"], optional=False)
+        self.first_nonfinite = values["first_nonfinite"]
 
     def __check_init__(self):
         check_count("Policy", "interval", self.interval)
@@ -137,22 +105,13 @@ class Policy(eqx.Module):
             if not isinstance(pattern, str):
                 raise TypeError(f"Policy(rules): patterns must be strings, got {pattern!r}.")
 
-    def replace(self, **changes: Any) -> "Policy":
-        """A copy with some fields changed (None leaves a field as it is)."""
-        fields = dict(
-            reduce=self.reduce,
-            interval=self.interval,
-            window=self.window,
-            tags=self.tags,
-            exclude=self.exclude,
-            rules=dict(self.rules),
-            prefix=self.prefix,
-            key=self.key,
-            across=self.across,
-            first_nonfinite=self.first_nonfinite,
-        )
-        fields.update({k: v for k, v in changes.items() if v is not None})
-        return Policy(**fields)
+    def replace(self, **changes: Unpack[PolicyOptions]) -> "Policy":
+        """A copy with some options changed (None leaves an option as it is)."""
+        check_options("eqx_logs.Policy.replace", changes)
+        values = {name: getattr(self, name) for name in OPTIONS}
+        values["rules"] = dict(self.rules)
+        values.update({k: v for k, v in changes.items() if v is not None})
+        return Policy(**values)
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         """Whether an event with these tags is kept."""
@@ -176,7 +135,7 @@ class Policy(eqx.Module):
         return reduction
 
 
-def with_options(policy: Any, where: str, **options: Any) -> Policy:
+def with_options(policy: Any, where: str, **options: Unpack[PolicyOptions]) -> Policy:
     """`policy` (default `Policy()`) with the options that are not None; `where` names the
     caller in the error for anything that is not a Policy."""
     if policy is None:

@@ -3,7 +3,7 @@
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, Unpack
 
 import equinox as eqx
 import numpy as np
@@ -11,7 +11,15 @@ import numpy as np
 from .. import _compat
 from .._interpret import warn_unmatched
 from .._primitive import current_prefix
-from .._reduce import Policy, Stack, with_options
+from .._reduce import (
+    TAP_OPTIONS,
+    Policy,
+    Stack,
+    TapOptions,
+    check_options,
+    document_options,
+    with_options,
+)
 from .._retrace import OPEN, finish, fun_key, note_compile
 from .._spool import trace_filtered
 from .._wrapper import AbstractWrapper, build_wrapper, carrying
@@ -31,18 +39,15 @@ def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
     print("  ".join(parts), flush=True)
 
 
+@document_options
 def tap(
     fun: Callable[..., _T] | None = None,
     /,
     *,
     callback: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
     policy: Policy | None = None,
-    interval: int | None = None,
-    tags: Any = None,
-    exclude: Any = None,
-    prefix: str | None = None,
     buffer: int | None = None,
-    **spool_only: Any,
+    **options: Unpack[TapOptions],
 ) -> Callable[..., _T]:
     """Stream every [`eqx_logs.log`][] event of `fun` to `callback(logs, steps)` on the host, in
     execution order, as it happens (inside jit, scan, while, cond).
@@ -61,16 +66,22 @@ def tap(
         and step then has a leading axis of events, in order (`steps["valid"]`, for batched
         events, says which lanes each happened in). Far fewer host round trips: use it where
         a loop logs every step.
-    - `policy`, `interval`, `tags`, `exclude`, `prefix`: as for `spool`. `interval=k` is
-        applied on the device: the host is called only for events 0, k, 2k, ... of each key,
-        or, for events with a `step=`, those whose step is a multiple of k. Under a `vmap`
-        inside `fun` a step is kept lane by lane, as `jax.vmap(tap(fun))` would keep it: the
-        event reaches the host where some lane keeps it, and the lanes that do not are masked
-        in `steps["valid"]` (NaN), as lanes where it did not happen are.
-        `spool`'s other options (`reduce`, `window`, `first_nonfinite`, `keep`, `key`,
-        `across`) raise a `TypeError` saying why: tap keeps no events to work on; a `policy`
-        with them, a `ValueError`. Of a policy's `rules`, a tap applies `"drop"` and ignores
-        the reductions, so that one Policy's rules serve a spool and a tap.
+    - `policy`: an [`eqx_logs.Policy`][], as for `spool`; the options below override its
+        fields. A policy with `reduce`, `window`, `first_nonfinite`, `key` or `across`
+        raises a `ValueError`: a tap keeps no events to work on.
+
+    The policy's options a tap uses, as for [`eqx_logs.Policy`][]:
+
+    {tap_options}
+
+    `interval=k` is applied on the device: the host is called only for events 0, k, 2k, ...
+    of each key, or, for events with a `step=`, those whose step is a multiple of k. Under a
+    `vmap` inside `fun` a step is kept lane by lane, as `jax.vmap(tap(fun))` would keep it:
+    the event reaches the host where some lane keeps it, and the lanes that do not are masked
+    in `steps["valid"]` (NaN), as lanes where it did not happen are. `spool`'s other options
+    (`reduce`, `window`, `first_nonfinite`, `keep`, `key`, `across`) raise a `TypeError`
+    saying why: tap keeps no events to work on. Of a policy's `rules`, a tap applies
+    `"drop"` and ignores the reductions, so that one Policy's rules serve a spool and a tap.
 
     **Returns:**
 
@@ -89,9 +100,8 @@ def tap(
         eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
         ```
     """
-    check_tap_options("eqx_logs.tap", spool_only)
+    check_tap_options("eqx_logs.tap", options, also=("callback", "policy", "buffer"))
     check_buffer("eqx_logs.tap", buffer)
-    options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
     policy = with_options(policy, "eqx_logs.tap", **options)
     if fun is None:
         return functools.partial(tap, callback=callback, policy=policy, buffer=buffer)
@@ -104,7 +114,7 @@ def tap(
 
 
 # spool's options that tap has not, and what tap would need to keep for them
-_SPOOL_ONLY = {
+SPOOL_ONLY = {
     "reduce": "to reduce",
     "window": "to reduce by window",
     "first_nonfinite": "to search for a NaN or infinity (or check the values in the callback)",
@@ -114,16 +124,17 @@ _SPOOL_ONLY = {
 }
 
 
-def check_tap_options(where: str, options: dict[str, Any]) -> None:
-    """A `TypeError` for keywords `where` (a tap) does not take, saying why for spool's."""
+def check_tap_options(where: str, options: dict[str, Any], also: tuple[str, ...]) -> None:
+    """A `TypeError` for keywords `where` (a tap) does not take, saying why for spool's;
+    `also`: `where`'s keywords that are not options."""
     for name in options:
-        if name not in _SPOOL_ONLY:
-            raise TypeError(f"{where}() got an unexpected keyword argument {name!r}.")
-        raise TypeError(
-            f"{where}() has no `{name}`: that is a spool option. A tap streams each event to "
-            f"the host as it happens and keeps none on the device {_SPOOL_ONLY[name]}; use "
-            f"`eqx_logs.spool(..., {name}=...)` (or `logger.spool` / `logger.jit`)."
-        )
+        if name in SPOOL_ONLY:
+            raise TypeError(
+                f"{where}() has no `{name}`: that is a spool option. A tap streams each event "
+                f"to the host as it happens and keeps none on the device {SPOOL_ONLY[name]}; "
+                f"use `eqx_logs.spool(..., {name}=...)` (or `logger.spool` / `logger.jit`)."
+            )
+    check_options(where, options, TAP_OPTIONS, also)
 
 
 def check_buffer(where: str, buffer: Any) -> None:

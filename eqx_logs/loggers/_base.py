@@ -3,7 +3,7 @@
 import abc
 import functools
 from collections.abc import Callable
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, Unpack
 
 import equinox as eqx
 import jax
@@ -12,7 +12,14 @@ from jaxtyping import ArrayLike, PRNGKeyArray
 
 from .. import _compat
 from .._logdict import LogDict
-from .._reduce import Policy, with_options
+from .._reduce import (
+    Policy,
+    PolicyOptions,
+    TapOptions,
+    check_options,
+    document_options,
+    with_options,
+)
 from .._spool import spool as _spool
 from .._tap import check_buffer, check_tap_options, tap_with
 from .._wrapper import AbstractWrapper, build, build_wrapper
@@ -198,6 +205,7 @@ class AbstractLogger(eqx.Module):
         per lane."""
         return LoggerState(run=run_index(key))
 
+    @document_options
     def spool(
         self,
         fun: Callable[..., _T],
@@ -205,38 +213,26 @@ class AbstractLogger(eqx.Module):
         /,
         *,
         policy: Policy | None = None,
-        reduce: Any = None,
-        interval: int | None = None,
-        window: int | None = None,
-        tags: Any = None,
-        exclude: Any = None,
-        prefix: str | None = None,
         keep: bool = False,
-        key: PRNGKeyArray | None = None,
-        across: str | tuple[str, ...] | None = None,
-        first_nonfinite: bool | None = None,
+        **options: Unpack[PolicyOptions],
     ) -> Callable[..., _T]:
-        """`fun`, spooled as by [`eqx_logs.spool`][] (same options); the logs are written to
-        `state`'s run when the call completes, and `fun`'s output is returned. With
-        `first_nonfinite`, a call whose logs hold a NaN or infinity warns
-        ([`eqx_logs.loggers.NonfiniteWarning`][]) with the first such event."""
+        """`fun`, spooled as by [`eqx_logs.spool`][] (same `policy`, `keep` and options); the
+        logs are written to `state`'s run when the call completes, and `fun`'s output is
+        returned. With `first_nonfinite`, a call whose logs hold a NaN or infinity warns
+        ([`eqx_logs.loggers.NonfiniteWarning`][]) with the first such event.
+
+        The policy's options, as for [`eqx_logs.Policy`][] (an option left out, or None,
+        keeps `policy`'s):
+
+        {policy_options}
+        """
         _check_fun(self, "spool", fun)
         _check_state(self, "spool", state)
-        policy = with_options(
-            policy,
-            "logger.spool",
-            reduce=reduce,
-            interval=interval,
-            window=window,
-            tags=tags,
-            exclude=exclude,
-            prefix=prefix,
-            key=key,
-            across=across,
-            first_nonfinite=first_nonfinite,
-        )
+        check_options("logger.spool", options, also=("policy", "keep"))
+        policy = with_options(policy, "logger.spool", **options)
         return build_wrapper(_LoggerSpooled, self, _spool(fun, policy=policy, keep=keep), state)
 
+    @document_options
     def tap(
         self,
         fun: Callable[..., _T],
@@ -244,28 +240,30 @@ class AbstractLogger(eqx.Module):
         /,
         *,
         policy: Policy | None = None,
-        interval: int | None = None,
-        tags: Any = None,
-        exclude: Any = None,
-        prefix: str | None = None,
         buffer: int | None = None,
-        **spool_only: Any,
+        **options: Unpack[TapOptions],
     ) -> Callable[..., _T]:
         """`fun`, tapped as by [`eqx_logs.tap`][]: each event is written to `state`'s run as it
         happens (`interval=k` writes every k-th event of each key, gated on the device).
         `buffer=k`: the events reach the writer in blocks of k, one host callback per block
-        (see `eqx_logs.tap`), each event still written as a row of its own."""
+        (see `eqx_logs.tap`), each event still written as a row of its own.
+
+        The policy's options a tap uses, as for [`eqx_logs.Policy`][] (an option left out,
+        or None, keeps `policy`'s):
+
+        {tap_options}
+        """
         _check_fun(self, "tap", fun)
         _check_state(self, "tap", state)
-        check_tap_options("logger.tap", spool_only)
+        check_tap_options("logger.tap", options, also=("policy", "buffer"))
         check_buffer("logger.tap", buffer)
-        options = dict(interval=interval, tags=tags, exclude=exclude, prefix=prefix)
         policy = with_options(policy, "logger.tap", **options)
         sink = self._sink
         host = sink.tap_host if buffer is None else sink.tap_block_host
         tapped = tap_with(fun, policy, host, state, self.every_process, buffer=buffer)
         return build_wrapper(_LoggerTapped, self, tapped)
 
+    @document_options
     def jit(
         self,
         fun: Callable[..., _T],
@@ -274,17 +272,9 @@ class AbstractLogger(eqx.Module):
         *,
         donate: Donate = "none",
         policy: Policy | None = None,
-        reduce: Any = None,
-        interval: int | None = None,
-        window: int | None = None,
-        tags: Any = None,
-        exclude: Any = None,
-        prefix: str | None = None,
         keep: bool = False,
-        key: PRNGKeyArray | None = None,
-        across: str | tuple[str, ...] | None = None,
-        first_nonfinite: bool | None = None,
         step: str | None = None,
+        **options: Unpack[PolicyOptions],
     ) -> Callable[..., _T]:
         """`fun` compiled as by `eqx.filter_jit(fun)`, spooled, its logs written to `state`'s
         run: the form for the training loop that calls one compiled step per Python
@@ -329,11 +319,15 @@ class AbstractLogger(eqx.Module):
         inside `jax.jit` or `jax.vmap`, it is `logger.spool(fun, state)` in `eqx.filter_jit`,
         with the host callback that needs. More in the guide: "The training loop and the
         loggers".
+
+        The policy's options, as for [`eqx_logs.Policy`][] (an option left out, or None,
+        keeps `policy`'s):
+
+        {policy_options}
         """
         _check_fun(self, "jit", fun)
         _check_state(self, "jit", state)
-        options = dict(reduce=reduce, interval=interval, window=window, tags=tags, exclude=exclude)
-        options.update(prefix=prefix, key=key, across=across, first_nonfinite=first_nonfinite)
+        check_options("logger.jit", options, also=("donate", "policy", "keep", "step"))
         policy = with_options(policy, "logger.jit", **options)
         spooled, jitted, skip, gate = _jitted_step(fun, policy, keep, donate, step)
         feed = self._sink.feed(state)
