@@ -132,30 +132,27 @@ def test_merge_names_both_sites_whatever_the_order():
         assert all(s.site in str(caught.value) for s in found)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _scaled(x):
     el.log("k", x)
     return 2.0 * x
 
 
-def _scaled_fwd(x):
-    return _scaled(x), None
-
-
-def _scaled_bwd(_, g):
-    el.log("k", jnp.stack([g, g]))  # a shape the primal's events do not have
-    return (2.0 * g,)
-
-
-_scaled.defvjp(_scaled_fwd, _scaled_bwd)
+@_scaled.defjvp
+def _scaled_jvp(primals, tangents):
+    (x,), (dx,) = primals, tangents
+    el.log("k", jnp.stack([x, x]))  # a shape the primal's events do not have
+    return 2.0 * x, 2.0 * dx
 
 
 def test_a_rule_traced_late_is_checked_not_merged():
-    """The rule's log is met after the plan froze the key's record (JAX traces it when it
-    differentiates): its other shape is an error naming the key, and the record stays."""
-    with pytest.raises(ValueError, match="'k'") as caught:
-        el.spool(jax.grad(lambda x: _scaled(x).sum()))(jnp.ones(3))
-    assert "shape" in str(caught.value)
+    """`jax.grad(spool(f))`: JAX traces the custom JVP rule when it differentiates the
+    spool's evaluation, after the plan froze the key's record. Its other shape is the error
+    naming the key and both call sites (not JAX's broadcasting error from a record it was
+    never checked against)."""
+    with pytest.raises(ValueError, match="key 'k' is logged with shape") as caught:
+        jax.grad(lambda x: el.spool(_scaled)(x)[0].sum())(jnp.ones(3))
+    assert "(_scaled)" in str(caught.value) and "(_scaled_jvp)" in str(caught.value)
 
 
 def test_a_rule_logging_as_its_primal_passes():
