@@ -233,7 +233,7 @@ def policy(
     return Policy(**values)
 
 
-def check_schema(schema: type, where: str) -> None:
+def _check_schema(schema: type, where: str) -> None:
     """`schema` (`PolicyConfig`) has a field for each of the policy's options (`seed` for
     `key`): raised when this module is imported, so a new option is not forgotten here."""
     fields = {f.name for f in dataclasses.fields(schema)}
@@ -243,7 +243,7 @@ def check_schema(schema: type, where: str) -> None:
         raise AssertionError(f"{where} has no field for the policy's options {missing}.")
 
 
-check_schema(PolicyConfig, "eqx_logs.config.PolicyConfig")
+_check_schema(PolicyConfig, "eqx_logs.config.PolicyConfig")
 
 
 @dataclass(frozen=True)
