@@ -248,10 +248,10 @@ class Plan:
     def _record(self, eqn: _compat.JaxprEqn) -> list[str]:
         """The keys of the log equation `eqn`: its sites collected before the records are
         frozen, checked against them after."""
+        if id(eqn) in self._recorded:  # (the second walk: known, no site made again)
+            return _keys.keys_of(eqn)
         manual = self.manual
         sites = _keys.sites_of(eqn, manual.axes, manual.mesh)
-        if id(eqn) in self._recorded:
-            return list(sites)
         if self.frozen:
             across = self.policy.across
             for key, site in sites.items():
