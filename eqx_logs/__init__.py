@@ -28,6 +28,6 @@ from ._reduce import (
 from ._scope import scope as scope
 from ._spool import nolog as nolog, spool as spool
 from ._stats import log_stats as log_stats
-from ._tap import tap as tap
+from ._tap import CallbackFailedWarning as CallbackFailedWarning, tap as tap
 
 __version__ = "0.1.0"

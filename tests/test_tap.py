@@ -7,6 +7,7 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import eqx_logs as el
@@ -217,3 +218,57 @@ def test_complex_input_and_values_warn_nothing():
         "'valid': [True, True, False, True]}"
     ]
     assert lines == [scalar, *unbuffered, scalar, *buffered]
+
+
+def _failing_every_odd_step(seen):
+    def callback(logs, steps):
+        seen.append(np.asarray(steps["step"]).tolist())
+        if np.any(np.asarray(steps["step"]) % 2):
+            raise RuntimeError("the callback's own bug")
+
+    return callback
+
+
+def _stepped(xs):
+    def body(c, x):
+        el.log("x", x, step=c)
+        return c + 1, None
+
+    return lax.scan(body, 0, xs)[0]
+
+
+@pytest.mark.parametrize("buffer", [None, 2])
+def test_on_error_warn_says_the_first_failure_once_and_goes_on(buffer):
+    """jax-tap's behaviour on request: a callback that raises is said once per tap (with its
+    traceback), every event still reaches it, and the call returns its output."""
+    seen = []
+    tapped = el.tap(
+        _stepped, callback=_failing_every_odd_step(seen), on_error="warn", buffer=buffer
+    )
+    xs = jnp.arange(5.0)
+    with pytest.warns(el.CallbackFailedWarning) as caught:
+        outs = [jax.jit(tapped)(xs), tapped(xs)]
+        jax.effects_barrier()
+    assert [int(o) for o in outs] == [5, 5]
+    assert len(caught) == 1, [str(w.message) for w in caught]
+    message = str(caught[0].message)
+    assert "callback raised on the events of" in message and "['x']" in message
+    assert "RuntimeError: the callback's own bug" in message  # the traceback
+    flat = [s for block in seen for s in np.ravel(block).tolist()]
+    assert flat == [0, 1, 2, 3, 4] * 2  # every event delivered, the failing ones too
+
+    # another tap of the same callback says its own first failure
+    with pytest.warns(el.CallbackFailedWarning):
+        el.tap(_stepped, callback=_failing_every_odd_step([]), on_error="warn")(xs)
+        jax.effects_barrier()
+
+
+def test_on_error_raise_is_the_default_and_fails_the_call():
+    with pytest.raises(Exception, match="the callback's own bug"):
+        el.tap(_stepped, callback=_failing_every_odd_step([]))(jnp.arange(3.0))
+        jax.effects_barrier()
+
+
+def test_on_error_takes_raise_or_warn():
+    with pytest.raises(ValueError, match="on_error must be \"raise\".*got 'ignore'"):
+        el.tap(_stepped, on_error="ignore")

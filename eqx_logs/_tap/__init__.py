@@ -4,6 +4,7 @@ wrapper it returns (`_api.py`), its handler (`_handler.py`, `Tap`) and its rule 
 trace time (`_split.py`)."""
 
 from ._api import (
+    CallbackFailedWarning as CallbackFailedWarning,
     check_buffer as check_buffer,
     check_tap_options as check_tap_options,
     print_callback as print_callback,

@@ -2,8 +2,11 @@
 
 import functools
 import inspect
+import threading
+import traceback
+import warnings
 from collections.abc import Callable
-from typing import Any, ClassVar, TypeVar, Unpack
+from typing import Any, ClassVar, Literal, TypeVar, Unpack
 
 import equinox as eqx
 import numpy as np
@@ -28,6 +31,11 @@ from ._handler import Tap
 _T = TypeVar("_T")
 
 
+class CallbackFailedWarning(UserWarning):
+    """A tap's callback raised, under `on_error="warn"`: said once per tap, with the
+    traceback; the run went on."""
+
+
 def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
     """The default tap callback: one line per event, `key=value ... step=...`."""
 
@@ -47,6 +55,7 @@ def tap(
     callback: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
     policy: Policy | None = None,
     buffer: int | None = None,
+    on_error: Literal["raise", "warn"] = "raise",
     **options: Unpack[TapOptions],
 ) -> Callable[..., _T]:
     """Stream every [`eqx_logs.log`][] event of `fun` to `callback(logs, steps)` on the host, in
@@ -66,6 +75,11 @@ def tap(
         and step then has a leading axis of events, in order (`steps["valid"]`, for batched
         events, says which lanes each happened in). Far fewer host round trips: use it where
         a loop logs every step.
+    - `on_error`: what an exception raised by `callback` does. `"raise"` (the default): it
+        fails the call, as JAX reports a failing host callback (a `JaxRuntimeError` naming
+        it, at the call or at the next `jax.effects_barrier()`). `"warn"`: the first
+        exception of this tap is said once, as a warning with its traceback, and the run
+        goes on; later ones are dropped, the events they were called with too.
     - `policy`: an [`eqx_logs.Policy`][], as for `spool`; the options below override its
         fields. A policy with `reduce`, `window`, `first_nonfinite`, `key` or `across`
         raises a `ValueError`: a tap keeps no events to work on.
@@ -100,16 +114,24 @@ def tap(
         eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
         ```
     """
-    check_tap_options("eqx_logs.tap", options, also=("callback", "policy", "buffer"))
+    check_tap_options("eqx_logs.tap", options, also=("callback", "policy", "buffer", "on_error"))
     check_buffer("eqx_logs.tap", buffer)
+    if on_error not in ("raise", "warn"):
+        raise ValueError(
+            f'eqx_logs.tap: on_error must be "raise" (a failing callback fails the call) or '
+            f'"warn" (said once, then the run goes on), got {on_error!r}.'
+        )
     policy = with_options(policy, "eqx_logs.tap", **options)
     if fun is None:
-        return functools.partial(tap, callback=callback, policy=policy, buffer=buffer)
+        return functools.partial(
+            tap, callback=callback, policy=policy, buffer=buffer, on_error=on_error
+        )
     if not callable(fun):
         raise TypeError(f"eqx_logs.tap expects a callable, got {type(fun).__name__}.")
     if callback is not None:
         _check_callback(callback)
-    sink = _Callback(print_callback if callback is None else callback)
+    callback = print_callback if callback is None else callback
+    sink = _Callback(callback) if on_error == "raise" else _Callback(_WarnOnce(callback))
     return tap_with(fun, policy, sink, None, every_process=False, buffer=buffer)
 
 
@@ -255,6 +277,32 @@ class _Callback(eqx.Module):
 
     def __call__(self, context: None, logs: dict[str, Any], steps: dict[str, Any]) -> None:
         self.callback(logs, steps)
+
+
+class _WarnOnce:
+    """A user's callback whose exceptions are said once, as a warning, then dropped (tap's
+    `on_error="warn"`): one per `tap(...)`, so each tap says its first failure."""
+
+    def __init__(self, callback: Callable[[dict[str, Any], dict[str, Any]], None]):
+        self.callback = callback
+        self.warned = False
+        self.lock = threading.Lock()
+
+    def __call__(self, logs: dict[str, Any], steps: dict[str, Any]) -> None:
+        try:
+            self.callback(logs, steps)
+        except Exception:
+            with self.lock:
+                said, self.warned = self.warned, True
+            if not said:
+                name = getattr(self.callback, "__qualname__", repr(self.callback))
+                warnings.warn(
+                    f"eqx_logs.tap: the callback {name} raised on the events of "
+                    f'{sorted(logs)} (on_error="warn": the run goes on, and this tap\'s '
+                    f"later failures are dropped without a word):\n{traceback.format_exc()}",
+                    CallbackFailedWarning,
+                    stacklevel=2,
+                )
 
 
 @eqx.filter_jit
