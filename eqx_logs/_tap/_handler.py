@@ -101,6 +101,40 @@ class Tap(Handler):
             self._guards.pop()
 
     @contextlib.contextmanager
+    def quiet(self):
+        """Events traced inside are skipped by the interval: none is gated or called back."""
+        silent, self._silent = self._silent, True
+        try:
+            yield
+        finally:
+            self._silent = silent
+
+    @contextlib.contextmanager
+    def iteration_token(self, index: Any):
+        """`index` (an outer loop's counter) passed to the callbacks traced inside, as the
+        loops' own counters are (`_loop_tokens`)."""
+        self._loop_tokens.append(index)
+        try:
+            yield
+        finally:
+            self._loop_tokens.pop()
+
+    @property
+    def unconditional(self) -> bool:
+        """Whether events traced now are neither skipped by the interval (`quiet`) nor under
+        a batched predicate's guard."""
+        return not self._silent and not self._guards
+
+    @property
+    def lanes(self) -> Any:
+        """The zero that makes JAX call a callback per lane under a `vmap` outside `tap`."""
+        return self._lanes
+
+    def groups_of(self, keys: Any) -> list[str]:
+        """The counters (groups of keys) of the kept keys among `keys`, in order, once each."""
+        return list(dict.fromkeys(self._group[k] for k in keys if k in self._kept))
+
+    @contextlib.contextmanager
     def on_device(self, args):
         lanes = self._lanes  # (computed from the global inputs, which stay outside)
         self._lanes = _zero_of(args)
@@ -179,8 +213,7 @@ class Tap(Handler):
 
     def keys(self, closed: Any) -> tuple[str, ...]:
         """The event counters (one per group of keys) that `closed` updates."""
-        keys = [k for k in self.interp.plan.count(closed) if k in self._kept]
-        groups = tuple(dict.fromkeys(self._group[k] for k in keys))
+        groups = tuple(self.groups_of(self.interp.plan.count(closed)))
         return groups if self.blocks is None else groups + tuple(g + BLOCK for g in groups)
 
     def split_scan(self, eqn, invals, states):
@@ -194,7 +227,7 @@ class Tap(Handler):
             return
         items, steps, keys = selected
         mask, lane = self._event_mask(eqn, invals)
-        groups = list(dict.fromkeys(self._group[k] for k in keys))
+        groups = self.groups_of(keys)
         # (the counters as they were before this event)
         tokens = [
             *self._loop_tokens,

@@ -22,11 +22,6 @@ from .._rules import split_at
 from ._blocks import BLOCK
 
 
-def _groups_of(tap: Any, eqn: Any) -> list[str]:
-    keys = keys_of(eqn)
-    return list(dict.fromkeys(tap._group[k] for k in keys if k in tap._kept))
-
-
 def _per_iteration(tap: Any, closed: Any, stepped: bool = False) -> dict[str, int] | None:
     """How often each counter advances in one evaluation of `closed`, if that is the same
     every time (no conditional or masked events, nor events kept by their step unless
@@ -35,7 +30,7 @@ def _per_iteration(tap: Any, closed: Any, stepped: bool = False) -> dict[str, in
     total: dict[str, int] = {}
     for eqn, logs in plan.logging(closed):
         if logs:
-            groups = _groups_of(tap, eqn)
+            groups = tap.groups_of(keys_of(eqn))
             by_step = INTERVAL_STEP in eqn.params["steps"] and not stepped
             if groups and (eqn.params["masked"] or by_step):
                 return None  # conditional, or kept by its step value
@@ -49,7 +44,7 @@ def _per_iteration(tap: Any, closed: Any, stepped: bool = False) -> dict[str, in
                     return None
                 for g, n in sub.items():
                     total[g] = total.get(g, 0) + n
-            elif any(k in tap._kept for k in rule.count(plan, eqn)):
+            elif tap.groups_of(rule.count(plan, eqn)):
                 return None
     return total
 
@@ -115,7 +110,7 @@ class ScanSplit:
         [quiet iterations] + parts of [one iteration with its event, `k - 1` quiet iterations]
         + [a last partial part]. None if not applicable."""
         tap, period = self.tap, self.interp.policy.interval
-        if tap._silent or tap.blocks is not None or period == 1:
+        if not tap.unconditional or tap.blocks is not None or period == 1:
             return None
         groups = list(tap.keys(self.body))
         if not self.once_each(groups) or any(not isinstance(states[g], int) for g in groups):
@@ -128,19 +123,13 @@ class ScanSplit:
             def step(carry, x):
                 return self.iteration(carry, x, dict.fromkeys(groups, 0))
 
-            tap._silent, silent = True, tap._silent
-            try:
+            with tap.quiet():
                 return lax.scan(step, carry, xs_part, length=n, unroll=self.unroll)
-            finally:
-                tap._silent = silent
 
         def part(carry_index, xs_part):
             carry, index = carry_index
-            tap._loop_tokens.append(index)
-            try:
+            with tap.iteration_token(index):
                 carry, y = self.iteration(carry, [x[0] for x in xs_part], kept_now)
-            finally:
-                tap._loop_tokens.pop()
             carry, ys = quiet(carry, [x[1:] for x in xs_part], period - 1)
             return (carry, index + 1), [jnp.concatenate([a[None], b]) for a, b in zip(y, ys)]
 
@@ -166,7 +155,7 @@ class ScanSplit:
         inner scan returning its events as `ys` and one callback + [a last partial block].
         None if not applicable (then each event is written into the carried block)."""
         tap, interp, blocks = self.tap, self.interp, self.tap.blocks
-        if tap._silent or interp.policy.interval != 1 or tap._guards or interp.lanes.guards:
+        if not tap.unconditional or interp.policy.interval != 1 or interp.lanes.guards:
             return None
         groups = [g for g in tap.keys(self.body) if not g.endswith(BLOCK)]
         fills = [states[g + BLOCK]["fill"] for g in groups]
@@ -198,7 +187,7 @@ class ScanSplit:
             fill += n
             if fill == size:
                 for g in groups:
-                    blocks.send(g, states[g + BLOCK], size, None, [tap._lanes])
+                    blocks.send(g, states[g + BLOCK], size, None, [tap.lanes])
                 fill = 0
             return carry, [ys]
 
@@ -206,7 +195,7 @@ class ScanSplit:
             carry, index = carry_index
             carry, (ys, rows) = run(carry, xs_part, size)
             for g in groups:  # (the index: an operand that changes in every iteration)
-                blocks.send(g, rows[g], size, None, [index, tap._lanes])
+                blocks.send(g, rows[g], size, None, [index, tap.lanes])
             return (carry, index + 1), ys
 
         head = min(size - fill, self.length) if fill else 0
