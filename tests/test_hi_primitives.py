@@ -348,7 +348,7 @@ def test_diffrax_dense_output():
 
     y0 = jnp.array([1.0, 2.0])
     calls = []
-    want = solve(y0, lambda y: jax.debug.callback(calls.append, y))
+    want = jax.jit(lambda y0: solve(y0, lambda y: jax.debug.callback(calls.append, y)))(y0)
     jax.effects_barrier()
     assert_close(want[0], np.exp(-0.5 * np.asarray(ts))[:, None] * np.asarray(y0), "exp decay")
 
