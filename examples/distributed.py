@@ -168,7 +168,10 @@ def main(cfg: DictConfig) -> float:
         for start in range(0, train.steps, train.chunk):
             part = slice(start, start + train.chunk)
             batches = shard(xs[part]), shard(ys[part])
-            params = chunk(step, logger, state, policy, train.stream, params, *batches, start)
+            # `start` as an array: one compiled program for every chunk (see examples/train.py)
+            params = chunk(
+                step, logger, state, policy, train.stream, params, *batches, np.int32(start)
+            )
     last = float(jnp.mean((jax.jit(predict)(params, xs[-1]) - ys[-1]) ** 2))
     where = os.path.join(HydraConfig.get().runtime.output_dir, getattr(logger, "path", ""))
     if jax.process_index() == 0:

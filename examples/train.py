@@ -40,6 +40,7 @@ import equinox as eqx
 import hydra
 import jax
 import jax.numpy as jnp
+import numpy as np
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate, to_absolute_path
@@ -150,8 +151,19 @@ def main(cfg: DictConfig) -> float:
     with eqx_logs.config.instantiate_logger(cfg) as logger:  # cfg recorded with the run
         state = logger.init(train.run)
         for start in range(0, train.steps, train.chunk):
+            # `start` as an array: traced, so that every chunk runs one compiled program (a
+            # Python int would be static to `eqx.filter_jit`: a compilation per chunk)
             model, logs = train_chunk(
-                model, logger, state, policy, train.stream, x, y, train.lr, start, train.chunk
+                model,
+                logger,
+                state,
+                policy,
+                train.stream,
+                x,
+                y,
+                train.lr,
+                np.int32(start),
+                train.chunk,
             )
             if logs is not None:
                 logger.write(logs, state)
