@@ -24,6 +24,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
+from matplotlib.image import imsave  # noqa: E402
 
 from eqx_logs._plot import arrange, figure, find_runs, main, read_lines  # noqa: E402
 
@@ -67,7 +68,7 @@ def instrumented(tmp_path_factory) -> Path:
         "train.lr=0.02,0.1",
         "instrument=all",
         "train.steps=200",
-        "train.chunk=100",
+        "train.chunk=200",  # one jitted chunk per run: `start` is static, a chunk a compile
     )
 
 
@@ -80,18 +81,19 @@ def devices(tmp_path_factory) -> Path:
         "distributed.py",
         "train.stream=false,true",
         "train.steps=40",
-        "train.chunk=20",
+        "train.chunk=40",  # one jitted chunk per run: `start` is static, a chunk a compile
         "logging.interval=2",
     )
 
 
 def draw(path: Path, picture: Path, *keys: str):
-    """The figure of the runs under `path` (as the command draws it), saved as `picture`."""
+    """The figure of the runs under `path` (as the command draws it), saved as `picture`: laid
+    out and rendered once (as `savefig` does), the checks reading that rendering."""
     files = find_runs(str(path))
     lines, _, unstepped = read_lines(files, keys or ("*",))
     fig = figure(lines, str(path), unstepped)
-    fig.savefig(picture, dpi=80)
     fig.canvas.draw()
+    imsave(picture, fig.canvas.buffer_rgba())
     return fig
 
 
