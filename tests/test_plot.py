@@ -68,7 +68,7 @@ def instrumented(tmp_path_factory) -> Path:
         "train.lr=0.02,0.1",
         "instrument=all",
         "train.steps=200",
-        "train.chunk=200",  # one jitted chunk per run: `start` is static, a chunk a compile
+        "train.chunk=100",
     )
 
 
@@ -81,7 +81,7 @@ def devices(tmp_path_factory) -> Path:
         "distributed.py",
         "train.stream=false,true",
         "train.steps=40",
-        "train.chunk=40",  # one jitted chunk per run: `start` is static, a chunk a compile
+        "train.chunk=20",
         "logging.interval=2",
     )
 
