@@ -386,10 +386,10 @@ def test_bad_writer_policy_names_the_key():
         compose_cfg("logger.stall_timeout=soon")
 
 
-def test_wandb_online_without_a_login_fails_before_training(tmp_path):
+def test_wandb_online_without_a_login_fails_before_training(tmp_path, jax_cache):
     """`logger=wandb` (online) where W&B has no credentials: the run stops when the logger is
     made, before the first step, and says how to log offline."""
-    env = _env()
+    env = _env(jax_cache)
     env.pop("WANDB_API_KEY", None)
     env.pop("WANDB_MODE", None)
     env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
@@ -654,16 +654,36 @@ class Run:
         return self
 
 
-def _env() -> dict[str, str]:
+def _env(jax_cache: Path | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.pop("HYDRA_FULL_ERROR", None)  # the message a user sees, not a traceback
+    if jax_cache is not None:
+        env.update(_jax_cache_env(jax_cache))
     return env
 
 
+def _jax_cache_env(folder: Path) -> dict[str, str]:
+    """JAX's persistent compilation cache in `folder`, for every program however quick to
+    compile: the runs of examples/train.py compile the same ~30 small programs (the model's
+    initialisation, the data, the eager loss) once each, then read them back. Programs with
+    host callbacks (the logger's) are never cached: each run compiles its chunks itself."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(folder),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 @pytest.fixture(scope="module")
-def train_run(tmp_path_factory):
+def jax_cache(tmp_path_factory) -> Path:
+    """A compilation cache shared by this module's runs of examples/train.py (`_jax_cache_env`),
+    empty at the start of the module."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def train_run(tmp_path_factory, jax_cache):
     """`train_run(name, *overrides, multirun=False)`: runs examples/train.py once per name in
     this module (the short 200-step, 2-chunk version) and returns the Run."""
     base = tmp_path_factory.mktemp("train")
@@ -681,7 +701,7 @@ def train_run(tmp_path_factory):
                 capture_output=True,
                 text=True,
                 cwd=base / name,
-                env=_env(),
+                env=_env(jax_cache),
                 timeout=300,
             )
             done[name] = Run(proc, out)
@@ -731,18 +751,21 @@ def reference_losses() -> tuple[float, float]:
     (one jitted step at a time, no scan, no spool), using the example's model and data."""
     mod = train_module()
     kdata, kmodel = jax.random.split(jax.random.key(0))
-    x, y = mod.dataset(kdata, 64)
-    model = mod.MLP(32, kmodel)
+    # each made by one jitted call (the same values, bit for bit, as op by op, and one
+    # compilation instead of one per operation)
+    x, y = jax.jit(mod.dataset, static_argnums=1)(kdata, 64)
+    model = eqx.filter_jit(mod.MLP)(32, kmodel)
+    loss = jax.jit(mod.loss_fn)
 
     @jax.jit
     def sgd(model):
         grads = jax.grad(mod.loss_fn)(model, x, y)
         return jax.tree.map(lambda p, g: p - 0.05 * g, model, grads)
 
-    first = float(mod.loss_fn(model, x, y))
+    first = float(loss(model, x, y))
     for _ in range(STEPS):
         model = sgd(model)
-    return first, float(mod.loss_fn(model, x, y))
+    return first, float(loss(model, x, y))
 
 
 def test_default_run(train_run, debug):

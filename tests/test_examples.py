@@ -16,8 +16,20 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-def _run(script: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> dict[str, str]:
+    """JAX's persistent compilation cache, shared by this module's runs of the examples (empty
+    at the start of the module), for every program however quick to compile: the runs compile
+    the same small programs (a model's initialisation, the data) once, then read them back.
+    Programs with host callbacks (a logger's) are never cached: each run compiles them."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def _run(script: str, jax_cache: dict[str, str]) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **jax_cache}
     done = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script)],
         capture_output=True,
@@ -29,8 +41,8 @@ def _run(script: str) -> str:
     return done.stdout
 
 
-def test_reductions_example():
-    out = _run("reductions.py")
+def test_reductions_example(jax_cache):
+    out = _run("reductions.py", jax_cache)
     lines = dict(line.split(": ", 1) for line in out.splitlines() if ": " in line)
     means = [float(v) for v in lines["loss, mean per 100 steps"].strip("[]").split()]
     assert len(means) == 3 and means[0] > means[1] > means[2]  # training reduces the loss
@@ -38,13 +50,13 @@ def test_reductions_example():
     assert lines["kept keys"] == "['grad/w', 'loss', 'refine/w']"
 
 
-def test_quickstart_example():
-    out = _run("quickstart.py")
+def test_quickstart_example(jax_cache):
+    out = _run("quickstart.py", jax_cache)
     assert "logged keys: ['dpred', 'grad_norm', 'loss']" in out
     assert "500 events" in out
 
 
-def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_path):
+def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_path, jax_cache):
     """examples/step_loop.py (`logger.jit` in a per-step loop): the file holds steps 0, 100,
     ..., 900, with the losses of the same loop run without logging, here."""
     import equinox as eqx
@@ -57,7 +69,7 @@ def test_step_loop_example_writes_the_losses_of_the_loop_without_logging(tmp_pat
         [sys.executable, str(ROOT / "examples" / "step_loop.py"), str(tmp_path)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **jax_cache},
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
@@ -210,9 +222,9 @@ def _np_stats(a: np.ndarray) -> dict[str, float]:
     }
 
 
-def test_instrument_example_names_the_first_nonfinite_layer():
+def test_instrument_example_names_the_first_nonfinite_layer(jax_cache):
     ex = _load_example("instrument")
-    out = _run("instrument.py")
+    out = _run("instrument.py", jax_cache)
 
     # the replay: the events with a NaN or inf, in execution order (each step: every layer's
     # output, every layer's cotangent from the last layer down, then the loss, logged after)
@@ -295,9 +307,11 @@ STATS = ("mean", "std", "rms", "absmax", "nonfinite")  # instrument/all.yaml
 LAYERS = ("layers[0]", "layers[1]", "layers[2]")
 
 
-def _train(tmp_path, *overrides: str) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
+def _train(
+    tmp_path, jax_cache: dict[str, str], *overrides: str
+) -> tuple[subprocess.CompletedProcess, pathlib.Path]:
     """examples/train.py, 200 steps in chunks of 100, writing into `tmp_path/run`."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", **jax_cache}
     env.pop("HYDRA_FULL_ERROR", None)  # the message a user sees, not a traceback
     out = tmp_path / "run"
     proc = subprocess.run(
@@ -331,8 +345,8 @@ def _value(v) -> float:
     return float(v)  # JSONL writes NaN and infinities as the strings "nan", "inf", "-inf"
 
 
-def test_train_example_instrument_all(tmp_path):
-    proc, out = _train(tmp_path, "instrument=all")
+def test_train_example_instrument_all(tmp_path, jax_cache):
+    proc, out = _train(tmp_path, jax_cache, "instrument=all")
     assert proc.returncode == 0, proc.stderr
     assert "instrumented: mean, std, rms, absmax, nonfinite of every submodule, gradients too" in (
         proc.stdout
@@ -360,11 +374,13 @@ def test_train_example_instrument_all(tmp_path):
 
     # against the example's model trained by SGD in numpy: every statistic at every kept step
     train = _load_example("train")
+    import equinox as eqx
     import jax
 
     kdata, kmodel = jax.random.split(jax.random.key(0))  # examples/conf/config.yaml: train.seed=0
-    x, y = train.dataset(kdata, 64)
-    model = train.MLP(32, kmodel)
+    # each made by one jitted call (the same values, bit for bit, as op by op)
+    x, y = jax.jit(train.dataset, static_argnums=1)(kdata, 64)
+    model = eqx.filter_jit(train.MLP)(32, kmodel)
     replay = _numpy_sgd(
         model,
         x,
@@ -400,11 +416,12 @@ def test_train_example_instrument_all(tmp_path):
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_train_example_first_nonfinite(tmp_path):
+def test_train_example_first_nonfinite(tmp_path, jax_cache):
     """`logging.first_nonfinite=true` with a learning rate that blows up: the report names the
     first non-finite value of the run, which the JSONL file (every event: interval 1) shows."""
     proc, out = _train(
         tmp_path,
+        jax_cache,
         "instrument=all",
         "logging.first_nonfinite=true",
         "logging.interval=1",
@@ -450,8 +467,8 @@ def test_train_example_first_nonfinite(tmp_path):
         assert int(m[4]) == step
 
 
-def test_train_example_healthy_run_reports_no_nonfinite(tmp_path):
-    proc, out = _train(tmp_path, "logging.first_nonfinite=true")
+def test_train_example_healthy_run_reports_no_nonfinite(tmp_path, jax_cache):
+    proc, out = _train(tmp_path, jax_cache, "logging.first_nonfinite=true")
     assert proc.returncode == 0, proc.stderr
     assert "first non-finite value: none, every logged value is finite" in proc.stdout
     assert "instrumented: off" in proc.stdout
