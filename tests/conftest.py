@@ -19,6 +19,20 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory) -> dict[str, str]:
+    """The environment of a JAX persistent compilation cache shared by one module's
+    subprocesses (example runs, Hydra runs, the docs pages' interpreters), empty at the start
+    of the module, for every program however quick to compile: runs that compile the same
+    small programs (a model's initialisation, the data, an eager loss) compile them once.
+    Programs with host callbacks (a spool's, a logger's) are never cached: each run compiles
+    its logged programs itself."""
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
 @pytest.fixture
 def standard_promotion():
     """Standard dtype promotion for one test, for third-party code that relies on it: optax's

@@ -654,32 +654,13 @@ class Run:
         return self
 
 
-def _env(jax_cache: Path | None = None) -> dict[str, str]:
+def _env(jax_cache: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.pop("HYDRA_FULL_ERROR", None)  # the message a user sees, not a traceback
-    if jax_cache is not None:
-        env.update(_jax_cache_env(jax_cache))
+    env.update(jax_cache or {})  # (conftest.py's `jax_cache`)
     return env
-
-
-def _jax_cache_env(folder: Path) -> dict[str, str]:
-    """JAX's persistent compilation cache in `folder`, for every program however quick to
-    compile: the runs of examples/train.py compile the same ~30 small programs (the model's
-    initialisation, the data, the eager loss) once each, then read them back. Programs with
-    host callbacks (the logger's) are never cached: each run compiles its chunks itself."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(folder),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
-
-
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory) -> Path:
-    """A compilation cache shared by this module's runs of examples/train.py (`_jax_cache_env`),
-    empty at the start of the module."""
-    return tmp_path_factory.mktemp("jax_cache")
 
 
 @pytest.fixture(scope="module")

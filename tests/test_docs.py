@@ -196,17 +196,6 @@ def _guide():
     return ["README.md"] + [p for p in _nav_pages() if not p.startswith("api/")]
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory) -> dict[str, str]:
-    """JAX's persistent compilation cache, shared by the pages' interpreters (empty at the
-    start of the module), for every program however quick to compile: pages that compile the
-    same small programs compile them once. Programs with host callbacks are never cached."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
-
-
 @pytest.mark.fast
 @pytest.mark.parametrize("page", _guide())
 def test_each_page_runs_alone_and_prints_what_it_claims(page, tmp_path, jax_cache):

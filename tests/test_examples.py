@@ -16,18 +16,6 @@ import pytest
 ROOT = pathlib.Path(__file__).parent.parent
 
 
-@pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory) -> dict[str, str]:
-    """JAX's persistent compilation cache, shared by this module's runs of the examples (empty
-    at the start of the module), for every program however quick to compile: the runs compile
-    the same small programs (a model's initialisation, the data) once, then read them back.
-    Programs with host callbacks (a logger's) are never cached: each run compiles them."""
-    return {
-        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_cache")),
-        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-    }
-
-
 def _run(script: str, jax_cache: dict[str, str]) -> str:
     env = {**os.environ, "PYTHONPATH": str(ROOT), **jax_cache}
     done = subprocess.run(
