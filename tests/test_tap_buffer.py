@@ -41,12 +41,24 @@ class Recorder:
 def run_tap(f, *args, wrap=None, **options):
     """`tap(f, **options)` (wrapped by `wrap`, such as `jax.jit`) called on `args`; its output
     and the callbacks it made."""
+    return tap_runner(f, wrap=wrap, **options)(*args)
+
+
+def tap_runner(f, wrap=None, **options):
+    """As `run_tap`, one tapped function (so one compilation) for many calls: `args` ->
+    (output, the callbacks this call made)."""
     rec = Recorder()
     tapped = el.tap(f, callback=rec, **options)
-    out = (tapped if wrap is None else wrap(tapped))(*args)
-    jax.block_until_ready(out)
-    jax.effects_barrier()
-    return out, rec.calls
+    tapped = tapped if wrap is None else wrap(tapped)
+
+    def run(*args):
+        rec.calls = []
+        out = tapped(*args)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+        return out, rec.calls
+
+    return run
 
 
 def groups_of(calls) -> list[frozenset]:
@@ -141,11 +153,23 @@ def assert_blocks(calls, ref_calls, k):
         assert_block(tail[g], rows, f"partial block of {sorted(g)}")
 
 
-def check(f, *args, k, wrap=None, **options):
+def check(f, *args, k, wrap=None, ref=None, **options):
     """`tap(f, buffer=k)` against the unbuffered tap of `f`: same output, and the blocks its
     events make. Returns the buffered calls and the unbuffered ones."""
-    ref_out, ref_calls = run_tap(f, *args, wrap=wrap, **options)
+    return check_out(f, *args, k=k, wrap=wrap, ref=ref, **options)[1:]
+
+
+def check_out(f, *args, k, wrap=None, ref=None, **options):
+    """As `check`, also returning the buffered tap's output first. `ref`: the unbuffered
+    tap's `(output, calls)` where the caller has run it already."""
+    ref_out, ref_calls = run_tap(f, *args, wrap=wrap, **options) if ref is None else ref
     out, calls = run_tap(f, *args, wrap=wrap, buffer=k, **options)
+    return out, *check_against(out, calls, ref_out, ref_calls, k)
+
+
+def check_against(out, calls, ref_out, ref_calls, k):
+    """The buffered tap's `out` and `calls` against the unbuffered tap's: same output, and
+    the blocks its events make. Returns the buffered calls and the unbuffered ones."""
     jax.tree.map(lambda a, b: assert_leaf(a, b, "output"), out, ref_out)
     assert_blocks(calls, ref_calls, k)
     return calls, ref_calls
@@ -334,9 +358,15 @@ def test_on_a_gpu_a_lazy_row_is_written_rather_than_branched_to(monkeypatch):
     runs = {}
     for selecting in (("cuda", "rocm"), ("cpu", "cuda", "rocm")):
         monkeypatch.setattr(_branching, "SELECTING", selecting)
-        tapped = jax.jit(el.tap(f, callback=lambda logs, steps: None, buffer=2, interval=3))
-        conditionals = tapped.lower(jnp.int32(11)).compile().as_text().count(" conditional(")
-        calls, _ = check(f, jnp.int32(11), k=2, interval=3, wrap=jax.jit)
+        rec = Recorder()
+        tapped = jax.jit(el.tap(f, callback=rec, buffer=2, interval=3))
+        compiled = tapped.lower(jnp.int32(11)).compile()  # the program counted is the one run
+        conditionals = compiled.as_text().count(" conditional(")
+        ref = run_tap(f, jnp.int32(11), interval=3, wrap=jax.jit)
+        out = compiled(jnp.int32(11))
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+        calls, _ = check_against(out, rec.calls, *ref, k=2)
         runs[selecting] = (conditionals, calls)
     (branching, want), (computing, got) = runs.values()
     assert computing == branching - 1
@@ -511,7 +541,7 @@ def test_grad_of_buffered_tap_delivers_forward_events_once(remat):
     rec = Recorder()
     g = jax.grad(el.tap(loss, callback=rec, buffer=3))(jnp.float32(1.2), xs)
     jax.effects_barrier()
-    _, ref = run_tap(jax.grad(loss), jnp.float32(1.2), xs)
+    ref_out, ref = run_tap(jax.grad(loss), jnp.float32(1.2), xs)
     assert len(ref) == 7
     assert len(rec.calls) == 3 and sizes(rec.calls) == [3, 3, 1]
     assert_blocks(rec.calls, ref, 3)
@@ -521,7 +551,7 @@ def test_grad_of_buffered_tap_delivers_forward_events_once(remat):
     np.testing.assert_allclose(stacked(rec.calls, "c"), c, rtol=1e-5)
     np.testing.assert_allclose(g, jax.grad(loss)(jnp.float32(1.2), xs), rtol=1e-6)
     # tap outside grad: the same blocks
-    calls, _ = check(jax.grad(loss), jnp.float32(1.2), xs, k=3)
+    calls, _ = check(jax.grad(loss), jnp.float32(1.2), xs, k=3, ref=(ref_out, ref))
     assert len(calls) == 3
 
 
@@ -544,6 +574,7 @@ def test_vmap_of_buffered_tap_gives_each_lane_its_own_blocks(interval):
     k = 3
     out, calls = run_tap(_lane_program, xs, ns, wrap=jax.vmap, buffer=k, interval=interval)
     np.testing.assert_array_equal(out, ns)
+    alone = tap_runner(_lane_program, interval=interval)  # one tap for the lanes' references
     for lane, (x, n) in enumerate(zip(xs, ns)):
         # this lane's blocks: those whose lane key is this lane's x
         mine = [
@@ -551,7 +582,7 @@ def test_vmap_of_buffered_tap_gives_each_lane_its_own_blocks(interval):
             for logs, steps in calls
             if np.all(logs.get("lane", logs.get("lane2")) == x)
         ]
-        _, ref = run_tap(_lane_program, x, n, interval=interval)
+        _, ref = alone(x, n)
         assert_blocks(mine, ref, k)
         w = stacked(mine, "w") if mine else np.zeros(0)
         want = float(x) * np.arange(0, int(n), interval)
@@ -695,8 +726,7 @@ def test_diffrax_fixed_step_solve():
         return sol.ys[-1], sol.stats["num_steps"]
 
     y0 = jnp.array([1.0, -0.5], jnp.float32)
-    calls, ref = check(solve, y0, k=8)
-    (y1, steps), _ = run_tap(solve, y0, buffer=8)
+    (y1, steps), calls, ref = check_out(solve, y0, k=8)
     assert int(steps) == 20 and len(ref) == 20  # Euler: one evaluation per step
     assert sizes(calls) == [8, 8, 4]
     # numpy: Euler's iterates, at t = 0, 0.05, ..., 0.95

@@ -3,6 +3,7 @@ without events. Checked against events and outputs computed with numpy. The even
 position as `index`, not `step`: an event with a `step` is kept by its step value instead
 (tests/test_interval.py)."""
 
+import functools
 import itertools
 
 import jax
@@ -268,19 +269,23 @@ def _cond_in_scan(thr, length=7):
 
 
 STEP_CASES = list(itertools.product([2, 3], [None, 2, 3], [False, True]))
+THRS = np.array([0, 2, 1, 5, 9], np.int32)  # the cond's thresholds, per lane
+
+
+@functools.cache  # the same for every `buffer` and `jit`: computed once per `k`
+def _cond_spooled(k):
+    return _spooled_per_lane(_cond_in_scan, (jnp.asarray(THRS),), k)
 
 
 @pytest.mark.parametrize("k,buffer,jit", STEP_CASES)
 def test_vmap_inside_cond_in_scan_keeps_each_lanes_steps(k, buffer, jit):
-    thrs = np.array([0, 2, 1, 5, 9], np.int32)
+    thrs = THRS
     out, rec = _tap_vmap(_cond_in_scan, (jnp.asarray(thrs),), k, buffer, jit)
     np.testing.assert_array_equal(np.asarray(out), thrs + 7)
     got = rec.per_lane("x", len(thrs))
     want = [_kept([(i, float(i)) for i in range(7) if i > t], k) for t in thrs]
     assert got == want
-    assert [[v for _, v in lane] for lane in got] == _spooled_per_lane(
-        _cond_in_scan, (jnp.asarray(thrs),), k
-    )
+    assert [[v for _, v in lane] for lane in got] == _cond_spooled(k)
 
 
 def _stepped_scan(offset):
@@ -313,25 +318,37 @@ def _while_lane(lane, n):
     return lax.while_loop(lambda c: c[0] < n, body, (jnp.int32(0), jnp.float32(0)))[1]
 
 
+NS = np.array([3, 6, 0, 1, 5], np.int32)  # the while loop's trip counts, per lane
+
+
+@functools.cache  # the same for every `buffer` and `jit`: computed once per `k`
+def _while_references(k):
+    """What `jax.vmap(tap(f, interval=k))` delivers, lane by lane, and what
+    `spool(jax.vmap(f), interval=k)` keeps."""
+    lanes = jnp.arange(len(NS), dtype=jnp.int32)
+    ref = Deliveries()
+    jax.vmap(el.tap(_while_lane, callback=ref, interval=k))(lanes, jnp.asarray(NS))
+    jax.effects_barrier()
+    alone = [[] for _ in NS]
+    for logs, steps in ref.calls:
+        alone[int(logs["lane"])].append((int(steps["step"]), float(logs["x"])))
+    spooled = _spooled_per_lane(
+        _while_lane, (lanes, jnp.asarray(NS)), k, reduce=el.Stack(capacity=8)
+    )
+    return alone, spooled
+
+
 @pytest.mark.parametrize("k,buffer,jit", STEP_CASES)
 def test_vmap_inside_while_with_a_batched_trip_count(k, buffer, jit):
-    ns = np.array([3, 6, 0, 1, 5], np.int32)
+    ns = NS
     lanes = jnp.arange(len(ns), dtype=jnp.int32)
     out, rec = _tap_vmap(_while_lane, (lanes, jnp.asarray(ns)), k, buffer, jit)
     np.testing.assert_allclose(np.asarray(out), 0.5 * ns)
     got = rec.per_lane("x", len(ns))
     assert got == [_kept([(i, 0.5 * i) for i in range(n)], k) for n in ns]
-    # what `jax.vmap(tap(f, interval=k))` delivers, lane by lane
-    ref = Deliveries()
-    jax.vmap(el.tap(_while_lane, callback=ref, interval=k))(lanes, jnp.asarray(ns))
-    jax.effects_barrier()
-    alone = [[] for _ in ns]
-    for logs, steps in ref.calls:
-        alone[int(logs["lane"])].append((int(steps["step"]), float(logs["x"])))
+    # what `jax.vmap(tap(f, interval=k))` delivers, lane by lane; what spool keeps
+    alone, spooled = _while_references(k)
     assert got == alone
-    spooled = _spooled_per_lane(
-        _while_lane, (lanes, jnp.asarray(ns)), k, reduce=el.Stack(capacity=8)
-    )
     assert [[v for _, v in lane] for lane in got] == spooled
 
 
