@@ -75,11 +75,10 @@ def tap(
         and step then has a leading axis of events, in order (`steps["valid"]`, for batched
         events, says which lanes each happened in). Far fewer host round trips: use it where
         a loop logs every step.
-    - `on_error`: what an exception raised by `callback` does. `"raise"` (the default): it
-        fails the call, as JAX reports a failing host callback (a `JaxRuntimeError` naming
-        it, at the call or at the next `jax.effects_barrier()`). `"warn"`: the first
-        exception of this tap is said once, as a warning with its traceback, and the run
-        goes on; later ones are dropped, the events they were called with too.
+    - `on_error`: `"raise"` (the default): an exception in `callback` fails the call (JAX's
+        `JaxRuntimeError` names it, at the call or the next `jax.effects_barrier()`).
+        `"warn"`: this tap's first one is said once, an `eqx_logs.CallbackFailedWarning` with
+        its traceback, and the run goes on; later ones are dropped without a word.
     - `policy`: an [`eqx_logs.Policy`][], as for `spool`; the options below override its
         fields. A policy with `reduce`, `window`, `first_nonfinite`, `key` or `across`
         raises a `ValueError`: a tap keeps no events to work on.
@@ -116,11 +115,7 @@ def tap(
     """
     check_tap_options("eqx_logs.tap", options, also=("callback", "policy", "buffer", "on_error"))
     check_buffer("eqx_logs.tap", buffer)
-    if on_error not in ("raise", "warn"):
-        raise ValueError(
-            f'eqx_logs.tap: on_error must be "raise" (a failing callback fails the call) or '
-            f'"warn" (said once, then the run goes on), got {on_error!r}.'
-        )
+    _check_on_error(on_error)
     policy = with_options(policy, "eqx_logs.tap", **options)
     if fun is None:
         return functools.partial(
@@ -131,7 +126,7 @@ def tap(
     if callback is not None:
         _check_callback(callback)
     callback = print_callback if callback is None else callback
-    sink = _Callback(callback) if on_error == "raise" else _Callback(_WarnOnce(callback))
+    sink = _Callback(callback if on_error == "raise" else _WarnOnce(callback))
     return tap_with(fun, policy, sink, None, every_process=False, buffer=buffer)
 
 
@@ -170,6 +165,14 @@ def check_buffer(where: str, buffer: Any) -> None:
         )
     if buffer < 1:
         raise ValueError(f"{where}(buffer={buffer}): a block holds at least one event.")
+
+
+def _check_on_error(on_error: Any) -> None:
+    if on_error not in ("raise", "warn"):
+        raise ValueError(
+            f'eqx_logs.tap: on_error must be "raise" (a failing callback fails the call) or '
+            f'"warn" (said once, then the run goes on), got {on_error!r}.'
+        )
 
 
 def _check_callback(callback: Any) -> None:
