@@ -98,7 +98,8 @@ def connect(mesh) -> None:
     to the process's standard output, with no setting to turn it off: those lines are kept
     out of the output; anything else printed meanwhile is passed on. Gloo prints from its own
     threads, possibly after the collective returns: the output stays caught until a whole
-    line has come for each of this process's devices (or 10 s have passed)."""
+    line has come for each of this process's devices and no line is half written (or 10 s
+    have passed)."""
     sys.stdout.flush()
     saved = os.dup(1)
     with tempfile.TemporaryFile("w+") as caught:
@@ -109,7 +110,7 @@ def connect(mesh) -> None:
             )
             jax.block_until_ready(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(ones))
             deadline = time.monotonic() + 10.0
-            while _gloo_lines(caught) < jax.local_device_count() and time.monotonic() < deadline:
+            while not _gloo_done(caught) and time.monotonic() < deadline:
                 time.sleep(0.01)
         finally:
             os.dup2(saved, 1)
@@ -119,10 +120,14 @@ def connect(mesh) -> None:
     sys.stdout.write("".join(rest))
 
 
-def _gloo_lines(caught) -> int:
-    """The whole `[Gloo] Rank ...` lines written to `caught` so far."""
+def _gloo_done(caught) -> bool:
+    """Whether `caught` holds a whole `[Gloo] Rank ...` line for each of this process's
+    devices, and no line half written (Gloo may write a line's text and its newline apart)."""
     caught.seek(0)
-    return sum(line.startswith("[Gloo] Rank ") and line.endswith("\n") for line in caught)
+    text = caught.read()
+    lines = text.splitlines(keepends=True)
+    whole = sum(line.startswith("[Gloo] Rank ") and line.endswith("\n") for line in lines)
+    return whole >= jax.local_device_count() and text.endswith("\n")
 
 
 @hydra.main(config_path="conf", config_name="distributed", version_base="1.3")
