@@ -167,6 +167,10 @@ def check_buffer(where: str, buffer: Any) -> None:
         raise ValueError(f"{where}(buffer={buffer}): a block holds at least one event.")
 
 
+def _name(callback: Callable) -> str:
+    return getattr(callback, "__qualname__", None) or repr(callback)
+
+
 def _check_on_error(on_error: Any) -> None:
     if on_error not in ("raise", "warn"):
         raise ValueError(
@@ -190,7 +194,7 @@ def _check_callback(callback: Any) -> None:
     try:
         signature.bind(None, None)
     except TypeError:
-        name = getattr(callback, "__qualname__", repr(callback))
+        name = _name(callback)
         raise TypeError(
             f"eqx_logs.tap: callback {name}{signature} cannot be called as callback(logs, "
             "steps), with two positional arguments: the dict of the event's values and the "
@@ -294,13 +298,12 @@ class _WarnOnce:
     def __call__(self, logs: dict[str, Any], steps: dict[str, Any]) -> None:
         try:
             self.callback(logs, steps)
-        except Exception:
+        except Exception:  # on_error="warn" asked for exactly this: said once, below
             with self.lock:
                 said, self.warned = self.warned, True
             if not said:
-                name = getattr(self.callback, "__qualname__", repr(self.callback))
                 warnings.warn(
-                    f"eqx_logs.tap: the callback {name} raised on the events of "
+                    f"eqx_logs.tap: the callback {_name(self.callback)} raised on the events of "
                     f'{sorted(logs)} (on_error="warn": the run goes on, and this tap\'s '
                     f"later failures are dropped without a word):\n{traceback.format_exc()}",
                     CallbackFailedWarning,
