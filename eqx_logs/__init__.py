@@ -29,5 +29,7 @@ from ._scope import scope as scope
 from ._spool import nolog as nolog, spool as spool
 from ._stats import log_stats as log_stats
 from ._tap import CallbackFailedWarning as CallbackFailedWarning, tap as tap
+from ._watch import Watch as Watch
+from ._watch._api import watch as watch
 
 __version__ = "0.1.0"

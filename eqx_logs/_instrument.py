@@ -13,7 +13,7 @@ import jax.tree_util as jtu
 
 from . import _compat, _nnx
 from ._primitive import bind, call_site, current_prefix, grad_tap
-from ._stats import DEFAULT_STATS, check_stats, leaf_statistics, path_name
+from ._stats import DEFAULT_STATS, CotangentStats, check_stats, leaf_statistics, path_name
 from ._wrapper import update_wrapper, without_missing
 
 _M = TypeVar("_M")
@@ -25,19 +25,6 @@ def _is_state_pair(out: Any) -> bool:
     """`(y, state)`, as a stateful layer (`eqx.nn.BatchNorm`, `eqx.nn.StateIndex` users)
     returns: the state is not an activation."""
     return isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], eqx.nn.State)
-
-
-@dataclasses.dataclass(frozen=True)
-class _CotangentStats:
-    """The backward-pass items of one instrumented module: hashable, as `grad_tap` needs."""
-
-    name: str
-    stats: tuple[str, ...]
-    site: str
-    statistics = True
-
-    def __call__(self, ct: Any) -> dict[str, Any]:
-        return leaf_statistics(self.name, ct, self.stats, self.site)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +49,7 @@ class _Options:
         if items:
             bind(items, {}, tags=(INSTRUMENT_TAG,), site=site, statistics=True)
             if self.grads:
-                cotangents = _CotangentStats(f"{name}/grad", self.stats, site)
+                cotangents = CotangentStats(f"{name}/grad", self.stats, site)
                 y = grad_tap(cotangents, site, y, tags=(INSTRUMENT_TAG,))
         return (y, out[1]) if pair else y
 

@@ -1,5 +1,6 @@
 """Statistics of arrays, reduced on device: `log_stats`, and what `instrument` logs."""
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -11,6 +12,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, PyTree
 
 from . import _branching, _compat, _lanes
+from ._checks import DEFAULT_STATS as DEFAULT_STATS, STATS as STATS, check_stats as check_stats
 from ._primitive import (
     bind,
     call_site,
@@ -32,11 +34,6 @@ def _float_dtype(dtype: Any) -> Any:
 
 def _float(x: Array) -> Array:
     return x.astype(_float_dtype(x.dtype))
-
-
-# The statistics, each a scalar over all of an array; `nonfinite` counts its NaN and infinite
-# elements.
-STATS = ("mean", "std", "rms", "absmax", "min", "max", "norm", "nonfinite")
 
 
 def _lane_wise(y: Array, axes: tuple[int, ...]) -> Array:
@@ -183,28 +180,10 @@ def _compute(
     return [out[name] for name in stats]
 
 
-DEFAULT_STATS = ("mean", "std", "rms", "absmax", "nonfinite")
-
-
 def overflows(key: str) -> bool:
     """Whether the statistic logged under `key` may be infinite for a finite value: a
     `norm` past the dtype's largest value (of a value that is not finite, it is NaN)."""
     return key == "norm" or key.endswith("/norm")
-
-
-def check_stats(stats: Any, where: str) -> tuple[str, ...]:
-    """`stats` as a tuple of known statistic names; `where` names the caller in errors."""
-    if isinstance(stats, str):
-        stats = (stats,)
-    if not isinstance(stats, Sequence) or not stats:
-        raise TypeError(
-            f"{where}: stats must be a non-empty tuple of statistic names from {tuple(STATS)}, "
-            f"got {stats!r}."
-        )
-    unknown = [s for s in stats if s not in STATS]
-    if unknown:
-        raise ValueError(f"{where}: unknown statistic(s) {unknown!r}; choose from {tuple(STATS)}.")
-    return tuple(dict.fromkeys(stats))
 
 
 def path_name(path: Sequence[Any]) -> str:
@@ -356,6 +335,26 @@ def leaf_statistics(name: str, tree: Any, stats: tuple[str, ...], site: str) -> 
         for stat, value in statistics(leaf, stats).items():
             items[f"{where}/{stat}" if where else stat] = value
     return items
+
+
+@dataclasses.dataclass(frozen=True)
+class CotangentStats:
+    """The backward-pass items of a value logged with its cotangent (`instrument(...,
+    grads=True)`, `watch(..., grads=True)`): the statistics of the cotangent under `name`, or
+    with `stats` None the cotangent itself. Hashable, as `grad_tap` needs."""
+
+    name: str
+    stats: tuple[str, ...] | None
+    site: str
+
+    @property
+    def statistics(self) -> bool:
+        return self.stats is not None
+
+    def __call__(self, ct: Any) -> dict[str, Any]:
+        if self.stats is None:
+            return {self.name: ct}
+        return leaf_statistics(self.name, ct, self.stats, self.site)
 
 
 def log_stats(

@@ -39,6 +39,7 @@ from ._reduce import (
     document_options,
 )
 from ._stats import DEFAULT_STATS, STATS, check_stats
+from ._watch import as_watch
 
 _M = TypeVar("_M")
 
@@ -61,6 +62,9 @@ class PolicyConfig:
     seed: int | None = None
     across: list[str] = field(default_factory=list)
     first_nonfinite: bool = False
+    # a primitive or loop name, a list of them, or {names: [...], where: ..., max_depth: ...,
+    # stats: [...]} (the arguments of eqx_logs.Watch)
+    watch: Any = None
     config_key: str = "logging"
 
 
@@ -224,6 +228,10 @@ def policy(
         ):
             raise bad(name, value, "must be a list of strings")
         values[name] = value if value is None and name == "tags" else tuple(value or ())
+    try:
+        values["watch"] = as_watch(values["watch"], "eqx_logs.config.policy")
+    except (TypeError, ValueError) as e:
+        raise bad("watch", options["watch"], str(e)) from None
     if seed is not None:
         if values["key"] is not None:
             raise bad("seed", seed, "give either a seed or a key, not both")

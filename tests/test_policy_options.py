@@ -27,6 +27,7 @@ VALUES = {
     "exclude": ("debug",),
     "rules": {"grad/*": "max"},
     "prefix": "p/",
+    "watch": ("while",),
     "key": jax.random.key(0),
     "across": ("i",),
     "first_nonfinite": True,

@@ -83,6 +83,7 @@ from ._jaxprs import (
     eqn_location as eqn_location,
     eqns as eqns,
     function_name as function_name,
+    in_backward_pass as in_backward_pass,
     is_high as is_high,
     is_jaxpr as is_jaxpr,
     is_traced as is_traced,

@@ -178,6 +178,15 @@ def eqn_location(eqn: JaxprEqn, outer: Sequence[JaxprEqn] = ()) -> str:
     return f"{frame.file_name}:{frame.start_line} ({frame.function_name})"
 
 
+def in_backward_pass(eqn: JaxprEqn) -> bool:
+    """Whether JAX made `eqn` by transposing (the backward pass of a `jax.grad` or `jax.vjp`
+    traced into the program): its name stack has a `transpose` transform."""
+    return any(
+        isinstance(s, _source_info_util.Transform) and s.name == "transpose"
+        for s in eqn.source_info.name_stack.stack
+    )
+
+
 def function_name(eqn: JaxprEqn) -> str:
     """What the user wrote that made a call-like equation: its function and where it is
     defined (`'f at file.py:12'`), else where it was called."""

@@ -31,6 +31,7 @@ class TapOptions(TypedDict, total=False):
     exclude: str | Iterable[str] | None
     rules: Mapping[str, Any] | None
     prefix: str | None
+    watch: Any
 
 
 class PolicyOptions(TapOptions, total=False):
@@ -84,6 +85,14 @@ OPTIONS: dict[str, Option] = {
         `"drop"` and ignores the reductions.)""",
     ),
     "prefix": Option("", """prepended to every output key."""),
+    "watch": Option(
+        None,
+        """log values of code you did not write: the name of a primitive (`"cholesky"`) or loop
+        kind (`"scan"`, `"while"`), a list of them, or an [`eqx_logs.Watch`][] (with `where`,
+        `max_depth`, `stats`): every output of a watched primitive, and the carry of a watched
+        loop at each iteration, is logged under `"watch/<address>"` (as
+        [`eqx_logs.watch`][] does).""",
+    ),
     "key": Option(None, """a `jax.random.key` for reductions that sample (`Sample`)."""),
     "across": Option(
         (),

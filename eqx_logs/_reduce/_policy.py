@@ -12,6 +12,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._checks import check_count
 from .._spelling import closest
+from .._watch import Watch, as_watch
 from ._composites import Window
 from ._names import DROP, as_reduction
 from ._options import DEFAULTS, OPTIONS, PolicyOptions, check_options, document_options
@@ -64,6 +65,7 @@ class Policy(eqx.Module):
     exclude: tuple[str, ...] = eqx.field(static=True)
     rules: tuple[tuple[str, Any], ...]
     prefix: str = eqx.field(static=True)
+    watch: Watch | None = eqx.field(static=True)
     key: PRNGKeyArray | None
     across: tuple[str, ...] = eqx.field(static=True)
     first_nonfinite: bool = eqx.field(static=True)
@@ -88,6 +90,7 @@ class Policy(eqx.Module):
             for pattern, r in rules.items()
         )
         self.prefix = values["prefix"]
+        self.watch = as_watch(values["watch"], "eqx_logs.Policy")
         self.key = values["key"]
         self.across = _strings("across", values["across"], optional=False)
         self.first_nonfinite = values["first_nonfinite"]

@@ -25,6 +25,7 @@ from .._reduce import (
 )
 from .._retrace import OPEN, finish, fun_key, note_compile
 from .._spool import trace_filtered
+from .._watch._rewrite import watched
 from .._wrapper import AbstractWrapper, build_wrapper, carrying
 from ._handler import Tap
 
@@ -317,6 +318,8 @@ def _tap_call(fun, policy, sink, scope, context, args, kwargs):
     if eager:
         note_compile("eqx_logs.tap", fun_key(fun), fun, args, kwargs)
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
+    if policy.watch is not None:
+        closed = watched(closed, flat, policy.watch, "eqx_logs.tap")
     sink, every_process, buffer = sink
     tap = Tap(policy, sink, every_process, context, buffer)
     outs = tap.run(closed, flat)

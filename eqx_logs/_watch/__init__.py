@@ -1,0 +1,7 @@
+"""`watch`: events from code the user did not write (the outputs of named primitives, the
+carries of loops), at addresses given by their position in the program. `_spec.py`: `Watch`,
+what is watched (a policy option, so it imports nothing that logs); `_rewrite.py`: the program
+rewritten with the logs in it (`watched`, for spool and tap); `_api.py`: the function
+transform `eqx_logs.watch`."""
+
+from ._spec import WATCH_TAG as WATCH_TAG, Watch as Watch, as_watch as as_watch

@@ -1,0 +1,333 @@
+"""The rewrite behind `watch`: the program traced to a jaxpr is evaluated again, equation by
+equation, in a new trace; each watched output is logged after the equation that makes it, and
+each loop, branch or call that contains something watched is rebuilt with JAX's public
+constructors around its body evaluated the same way. The result is the program with `log`
+calls in it, which a spool, a tap or a logger then consumes as any other (reductions,
+interval, tags, lanes and devices apply). Nothing JAX created is mutated.
+
+Addresses: each equation is `kind[j]`, `j` counting the equations of that kind (a primitive's
+name, `scan`, `while`, `cond`, a jit's function name, `checkpoint`, `custom_jvp`, ...) in
+the jaxpr it belongs to; inside a loop, call or branch, its address is that of the container
+then its own (`while[0]/cholesky[1]`, `cond[0]/branch[1]/...`, a while loop's predicate
+`while[0]/cond/...`). A primitive's outputs are `kind[j]` (one) or `kind[j]/i` (several); a
+loop's carry `kind[j]/carry/i`.
+"""
+
+import collections
+import functools
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+
+from .. import _compat
+from .._primitive import bind, current_prefix, grad_tap, is_log, is_sow, logging_as, tracing_context
+from .._spelling import closest
+from .._stats import CotangentStats, leaf_statistics, stats_p
+from ._spec import WATCH_TAG, Watch
+
+LOOPS = (_compat.SCAN, _compat.WHILE)  # watched by their carries, at each iteration
+
+
+def _transparent(eqn: _compat.JaxprEqn) -> bool:
+    name = eqn.primitive.name
+    return name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_CALLS
+
+
+def _is_watched(spec: Watch, eqn: _compat.JaxprEqn) -> bool:
+    return eqn.primitive.name in spec.names
+
+
+def _contains(spec: Watch, closed: Any) -> bool:
+    return _compat.any_eqn(closed, functools.partial(_is_watched, spec))
+
+
+def _backward(eqn: _compat.JaxprEqn) -> bool:
+    return _compat.in_backward_pass(eqn) or (
+        eqn.primitive.name in _compat.REMAT and _compat.recomputes(eqn)
+    )
+
+
+def _loggable(x: Any) -> bool:
+    extended = jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended) if eqx.is_array(x) else True
+    return not extended and x.size > 0
+
+
+def _depth(address: str) -> int:
+    """The loops, branches and shard_maps around the value at `address` (its last part names
+    the value, a branch is counted with its cond)."""
+    parts = address.split("/")
+    return sum(p.endswith("]") and not p.startswith("branch[") for p in parts[:-1])
+
+
+class _Watcher:
+    """Evaluates a jaxpr in the current trace with the watched values logged."""
+
+    def __init__(self, spec: Watch):
+        self.spec = spec
+        self.prefix = current_prefix()
+        self.matched: set[str] = set()  # the names that matched an equation
+        self.logged = False  # whether anything passed `where` and `max_depth`
+
+    def eval(
+        self,
+        closed: Any,
+        args: Sequence[Any],
+        path: str,
+        outer: tuple,
+        counters: collections.Counter | None = None,
+    ) -> list[Any]:
+        """Evaluate `closed` on `args`, its equations addressed under `path` (`counters`: the
+        enclosing jaxpr's, for a transparent call). `outer`: the equations around it."""
+        jaxpr, consts = _compat.unpack(closed)
+        env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+        env.update(zip(jaxpr.invars, args))
+        counters = collections.Counter() if counters is None else counters
+
+        def read(v):
+            return v.val if isinstance(v, _compat.Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            outs = self.equation(eqn, [read(v) for v in eqn.invars], path, outer, counters)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, _compat.DropVar):
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+    def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
+        if is_log(eqn) or is_sow(eqn) or eqn.primitive is stats_p:
+            return _compat.bind_eqn(eqn, invals)  # eqx_logs' own: as it is
+        if _backward(eqn) and not self.spec.backward:
+            return _compat.bind_eqn(eqn, invals)
+        name, watched = eqn.primitive.name, _is_watched(self.spec, eqn)
+        inner = (*outer, eqn)
+        rebuild = _rebuild_of(eqn)
+        contains = any(_contains(self.spec, j) for j in _compat.sub_jaxprs(eqn.params))
+        descend = contains or (watched and name in LOOPS)
+        here = path
+        if not _transparent(eqn) or watched:
+            here = f"{path}{name}[{counters[name]}]"
+            counters[name] += 1
+        if rebuild is None or not descend:
+            outs = _compat.bind_eqn(eqn, invals)
+        elif _transparent(eqn):
+            outs = rebuild(self, eqn, invals, path, inner, counters)
+        else:
+            outs = rebuild(self, eqn, invals, here + "/", inner, None)
+        if watched:
+            self.matched.add(name)
+            if name not in LOOPS:
+                named = outs[0] if len(outs) == 1 else {str(i): x for i, x in enumerate(outs)}
+                named = self.emit(here, named, eqn, outer)
+                outs = [named] if len(outs) == 1 else [named[str(i)] for i in range(len(outs))]
+        return outs
+
+    def emit(self, address: str, values: Any, eqn, outer: tuple) -> Any:
+        """Log `values` (an array, or a dict of them by name) at `address`; returns them (with
+        the cotangent taps, if `grads`)."""
+        key = f"{self.prefix}/watch/{address}" if self.prefix else f"watch/{address}"
+        depth, site = _depth(address), None
+        leaves = values if isinstance(values, dict) else {"": values}
+        out = {}
+        for name, x in leaves.items():
+            where = f"{key}/{name}" if name else key
+            if _loggable(x) and self.spec.selects(where, depth):
+                site = site or _compat.eqn_location(eqn, outer)
+                out[name] = self.log(where, x, site)
+            else:
+                out[name] = x
+        return out if isinstance(values, dict) else out[""]
+
+    def log(self, key: str, x: Any, site: str) -> Any:
+        """Log `x` (or its statistics) under `key`; returns it, with its cotangent tapped if
+        `grads`."""
+        spec = self.spec
+        self.logged = True
+        whole = spec.stats is None or x.size == 1
+        items = {key: x} if whole else leaf_statistics(key, x, spec.stats, site)
+        bind(items, {}, tags=(WATCH_TAG,), site=site, statistics=not whole)
+        if spec.grads and jnp.issubdtype(x.dtype, jnp.inexact):
+            stats = None if whole else spec.stats
+            x = grad_tap(CotangentStats(f"{key}/grad", stats, site), site, x, (WATCH_TAG,))
+        return x
+
+
+def _rebuild_of(eqn) -> Any:
+    name = eqn.primitive.name
+    if name in _compat.INLINE_CALLS:
+        return _inline
+    if name in _compat.REMAT:
+        return _remat
+    return _REBUILD.get(name)
+
+
+# -- rebuilding what contains watched equations, with JAX's public constructors -----------
+# Each takes the watcher, the equation, its operands, the path of what it contains, the
+# equations around that, and for a transparent call the enclosing jaxpr's counters.
+
+
+def _inline(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    return w.eval(_compat.call_jaxpr(eqn), invals, path, outer, counters)
+
+
+def _remat(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    body = _compat.call_jaxpr(eqn)
+
+    def run(*xs):  # (traced once, now: the counters go on from the enclosing jaxpr's)
+        return w.eval(body, xs, path, outer, counters)
+
+    return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
+
+
+def _scan(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    body, num_consts, num_carry = _compat.scan_parts(eqn)
+    consts, init = invals[:num_consts], invals[num_consts : num_consts + num_carry]
+    xs = invals[num_consts + num_carry :]
+    carried = _is_watched(w.spec, eqn)
+
+    def step(carry, x):
+        outs = w.eval(body, [*consts, *carry, *x], path, outer)
+        carry = outs[:num_carry]
+        if carried:
+            carry = _carry(w, path, carry, eqn, outer)
+        return carry, outs[num_carry:]
+
+    carry, ys = jax.lax.scan(step, init, xs, **_compat.scan_options(eqn))
+    return [*carry, *ys]
+
+
+def _carry(w: _Watcher, path: str, carry: list[Any], eqn, outer: tuple) -> list[Any]:
+    named = w.emit(f"{path}carry", {str(i): x for i, x in enumerate(carry)}, eqn, outer)
+    return [named[str(i)] for i in range(len(carry))]
+
+
+def _while(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    cond, cond_n, body, body_n = _compat.while_parts(eqn)
+    cond_consts, body_consts = invals[:cond_n], invals[cond_n : cond_n + body_n]
+    carried = _is_watched(w.spec, eqn)
+
+    def cond_fun(carry):
+        return w.eval(cond, [*cond_consts, *carry], f"{path}cond/", outer)[0]
+
+    def body_fun(carry):
+        carry = w.eval(body, [*body_consts, *carry], path, outer)
+        return _carry(w, path, carry, eqn, outer) if carried else carry
+
+    return list(jax.lax.while_loop(cond_fun, body_fun, invals[cond_n + body_n :]))
+
+
+def _cond(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    def branch(b, closed):
+        return lambda *ops: w.eval(closed, ops, f"{path}branch[{b}]/", outer)
+
+    branches = [branch(b, closed) for b, closed in enumerate(_compat.cond_branches(eqn))]
+    platforms = _compat.cond_platforms(eqn)
+    return list(_compat.switch(invals[0], branches, *invals[1:], platforms=platforms))
+
+
+def _custom_jvp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    n, prefix = len(eqn.outvars), current_prefix()
+    entry = collections.Counter(counters)  # the user's rule, traced later, is addressed alike
+
+    def fun(args, extra):
+        return w.eval(_compat.call_jaxpr(eqn), args, path, outer, counters)
+
+    def rule(jvp_closed, primals, tangents, extra):
+        outs = w.eval(jvp_closed, [*primals, *tangents], path, outer, collections.Counter(entry))
+        return outs[:n], outs[n:], []
+
+    return _compat.bind_custom_jvp(eqn, invals, [], fun, rule, lambda: logging_as(prefix))
+
+
+def _custom_vjp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    prefix = current_prefix()
+    entry = collections.Counter(counters)
+
+    def fun(args, extra):
+        return w.eval(_compat.call_jaxpr(eqn), args, path, outer, counters)
+
+    def fwd(fwd_closed, args, extra):
+        return w.eval(fwd_closed, args, path, outer, collections.Counter(entry)), []
+
+    def bwd_context(*carried):
+        return logging_as(prefix, enabled=None)
+
+    return _compat.bind_custom_vjp(
+        eqn, invals, [], fun, fwd, lambda: logging_as(prefix), bwd_context
+    )
+
+
+def _shard_map(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
+
+    def per_device(*args):
+        return tuple(w.eval(body, args, path, outer))
+
+    run = jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=frozenset(axes),
+        check_vma=check_vma,
+    )
+    return list(run(*invals))
+
+
+_REBUILD = {
+    _compat.SCAN: _scan,
+    _compat.WHILE: _while,
+    _compat.COND: _cond,
+    _compat.CUSTOM_JVP: _custom_jvp,
+    _compat.CUSTOM_VJP: _custom_vjp,
+    _compat.SHARD_MAP: _shard_map,
+}
+
+
+def watched(closed: Any, args: Sequence[Any], spec: Watch, where: str) -> Any:
+    """`closed` (traced on `args`) with the values `spec` watches logged, as a new jaxpr.
+    `where` names the caller in warnings (a name that matches nothing in the program is said,
+    with the closest there)."""
+    watcher = _Watcher(spec)
+    if _contains(spec, closed):
+        with tracing_context(enabled=True):
+            closed = jax.make_jaxpr(lambda *a: watcher.eval(closed, a, "", ()))(*args)
+    _warn_unmatched(spec, watcher, closed, where)
+    return closed
+
+
+def run_watched(closed: Any, args: Sequence[Any], spec: Watch, where: str) -> list[Any]:
+    """`closed` evaluated on `args` in the current trace, the values `spec` watches logged
+    (where a spool or tap is tracing)."""
+    watcher = _Watcher(spec)
+    outs = watcher.eval(closed, args, "", ())
+    _warn_unmatched(spec, watcher, closed, where)
+    return outs
+
+
+def _warn_unmatched(spec: Watch, watcher: _Watcher, closed: Any, where: str) -> None:
+    present = {e.primitive.name for e in _compat.eqns(closed)}
+    for name in spec.names:
+        if name not in watcher.matched:
+            near = closest(name, sorted(present))
+            hint = f" (did you mean {near!r}?)" if near else ""
+            warnings.warn(
+                f"{where}: watch={name!r} matches nothing in the program{hint}; the program "
+                f"has {sorted(present)}.",
+                UserWarning,
+                stacklevel=4,
+            )
+    if (
+        watcher.matched
+        and not watcher.logged
+        and (spec.where is not None or spec.max_depth is not None)
+    ):
+        warnings.warn(
+            f"{where}: the watched {sorted(watcher.matched)} are found, but none at an address "
+            f"that where={spec.where!r} and max_depth={spec.max_depth!r} keep.",
+            UserWarning,
+            stacklevel=4,
+        )

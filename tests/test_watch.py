@@ -1,0 +1,354 @@
+"""watch: the outputs of named primitives and the carries of loops, in code the tests did not
+write (optax, diffrax, optimistix, lineax), against the same values threaded out by hand or
+computed in numpy; under jit, vmap and grad."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import eqx_logs as el
+
+fast = pytest.mark.fast
+
+
+# -- a while loop and a scan written here, with their iterates in numpy ------------------
+
+
+def newton_sqrt(a):
+    """sqrt(a) by Newton's iteration in a while loop: the carry is (iteration, x)."""
+
+    def cond(c):
+        i, x = c
+        return (jnp.abs(x * x - a) > 1e-5 * a) & (i < 40)
+
+    def body(c):
+        i, x = c
+        return i + 1, 0.5 * (x + a / x)
+
+    return lax.while_loop(cond, body, (0, a))[1]
+
+
+def np_newton(a: float) -> list[float]:
+    """The carries `newton_sqrt` takes after each iteration, in float32 as JAX computes them."""
+    x, xs = np.float32(a), []
+    while abs(x * x - a) > 1e-5 * a and len(xs) < 40:
+        x = np.float32(0.5) * (x + np.float32(a) / x)
+        xs.append(x)
+    return xs
+
+
+STACK = el.Stack(capacity=40)
+
+
+@fast
+def test_a_while_loops_carry_at_each_iteration_against_numpy():
+    spooled = el.spool(newton_sqrt, watch="while", reduce=STACK)
+    out, logs = spooled(jnp.float32(10.0))
+    want = np_newton(10.0)
+    assert set(logs) == {"watch/while[0]/carry/0", "watch/while[0]/carry/1"}
+    assert logs.count["watch/while[0]/carry/1"] == len(want)
+    np.testing.assert_allclose(logs["watch/while[0]/carry/1"][: len(want)], want, rtol=1e-6)
+    np.testing.assert_array_equal(
+        logs["watch/while[0]/carry/0"][: len(want)], 1 + np.arange(len(want))
+    )
+    assert float(out) == pytest.approx(want[-1])
+    # eager and jitted equal, in every part
+    _, jitted = jax.jit(spooled)(jnp.float32(10.0))
+    assert jax.tree.all(
+        jax.tree.map(lambda a, b: np.array_equal(a, b, equal_nan=True), logs, jitted)
+    )
+    assert dict(logs.count) == dict(jitted.count)
+
+
+def test_under_vmap_each_lane_is_its_own_run():
+    """Lanes stop after different numbers of iterations: a finished lane's carries are left
+    out, as its own run would have none."""
+    spooled = el.spool(newton_sqrt, watch="while", reduce=STACK)
+    xs = jnp.array([2.0, 10.0, 1000.0], jnp.float32)
+    _, batched = jax.vmap(spooled)(xs)
+    for i, a in enumerate([2.0, 10.0, 1000.0]):
+        want = np_newton(a)
+        key = "watch/while[0]/carry/1"
+        assert int(batched.count[key][i]) == len(want)
+        np.testing.assert_allclose(batched[key][i][: len(want)], want, rtol=1e-6)
+        _, alone = spooled(xs[i])
+        np.testing.assert_array_equal(batched[key][i], alone[key])
+
+
+def fixed_newton(a):
+    """Six Newton steps in a scan: differentiable."""
+
+    def body(x, _):
+        return 0.5 * (x + a / x), None
+
+    return lax.scan(body, a, None, length=6)[0]
+
+
+@fast
+def test_under_grad_the_forward_carries_are_recorded_once_and_fun_traced_once():
+    traced = []
+
+    def f(a):
+        traced.append(1)
+        return fixed_newton(a)
+
+    def loss(a):
+        out, logs = el.spool(f, watch="scan")(a)
+        return out, logs
+
+    (grad, logs) = jax.grad(loss, has_aux=True)(jnp.float32(5.0))
+    assert len(traced) == 1
+    x, want = np.float32(5.0), []
+    for _ in range(6):
+        x = np.float32(0.5) * (x + np.float32(5.0) / x)
+        want.append(x)
+    assert logs.count["watch/scan[0]/carry/0"] == 6
+    np.testing.assert_allclose(logs["watch/scan[0]/carry/0"], want, rtol=1e-6)
+    assert float(grad) == pytest.approx(0.5 / np.sqrt(5.0), rel=1e-4)
+    # a spool around the derivative watches its forward pass only, by default
+    _, inside = el.spool(jax.grad(fixed_newton), watch="scan")(jnp.float32(5.0))
+    assert dict(inside.count) == {"watch/scan[0]/carry/0": 6}
+    np.testing.assert_allclose(inside["watch/scan[0]/carry/0"], want, rtol=1e-6)
+    _, both = el.spool(jax.grad(fixed_newton), watch=el.Watch("scan", backward=True))(
+        jnp.float32(5.0)
+    )
+    assert len(both.count) > 1 and all(n == 6 for n in both.count.values())
+
+
+def test_cotangents_with_grads_true_against_vjp():
+    def f(a):
+        return jnp.sum(jnp.linalg.cholesky(a @ a.T + 3 * jnp.eye(3)) ** 2)
+
+    a = jnp.arange(9.0).reshape(3, 3) / 10
+    watched = el.watch(f, "cholesky", stats=None, grads=True)
+    (_, logs) = el.spool(lambda a: jax.grad(watched)(a))(a)
+    chol = np.linalg.cholesky(np.asarray(a @ a.T + 3 * jnp.eye(3), np.float64))
+    np.testing.assert_allclose(logs["watch/cholesky[0]"][0], chol, rtol=1e-5)
+    # the cotangent of sum(L**2) with respect to L is 2 L
+    np.testing.assert_allclose(logs["watch/cholesky[0]/grad"][0], 2 * chol, rtol=1e-5)
+    # tagged "backward" (and "watch"), as log_grad's events
+    _, backward = el.spool(lambda a: jax.grad(watched)(a), tags="backward")(a)
+    assert set(backward) == {"watch/cholesky[0]/grad"}
+
+
+# -- primitives, inside jit, with statistics ------------------------------------------------
+
+
+@fast
+def test_a_primitive_inside_a_jitted_function_with_its_statistics():
+    @jax.jit
+    def layer(w, x):
+        return jnp.tanh(w @ x)
+
+    def f(w, x):
+        return layer(w, layer(w, x)).sum()
+
+    w = jnp.array([[0.5, -1.0, 0.25], [1.5, 0.2, -0.3], [0.1, 0.7, 2.0]])
+    x = jnp.array([1.0, 2.0, 3.0])
+    _, logs = el.spool(f, watch="tanh")(w, x)
+    h1 = np.tanh(np.asarray(w, np.float64) @ np.asarray(x, np.float64))
+    h2 = np.tanh(np.asarray(w, np.float64) @ h1)
+    # a jit is transparent: its equations are addressed as if inlined (the two calls of
+    # `layer` are tanh[0] and tanh[1])
+    for j, h in enumerate([h1, h2]):
+        stats = {
+            "mean": h.mean(),
+            "std": h.std(),
+            "rms": np.sqrt((h**2).mean()),
+            "absmax": np.abs(h).max(),
+            "nonfinite": 0,
+        }
+        for s, v in stats.items():
+            np.testing.assert_allclose(logs[f"watch/tanh[{j}]/{s}"][0], v, rtol=1e-5, atol=1e-7)
+    assert len(logs) == 10
+
+
+def test_where_and_max_depth_filter_addresses():
+    def f(xs):
+        def outer(c, x):
+            def inner(d, y):
+                return d + jnp.sin(y), None
+
+            return lax.scan(inner, c, x)[0], None
+
+        c = lax.scan(outer, 0.0, xs)[0]
+        return jnp.sin(c)
+
+    xs = jnp.arange(6.0).reshape(2, 3)
+    _, logs = el.spool(f, watch=el.Watch("sin", stats=None))(xs)
+    assert set(logs) == {"watch/sin[0]", "watch/scan[0]/scan[0]/sin[0]"}
+    assert logs.count["watch/scan[0]/scan[0]/sin[0]"] == 6
+    np.testing.assert_allclose(
+        logs["watch/scan[0]/scan[0]/sin[0]"], np.sin(np.arange(6.0)), rtol=1e-6
+    )
+    _, top = el.spool(f, watch=el.Watch("sin", stats=None, max_depth=0))(xs)
+    assert set(top) == {"watch/sin[0]"}
+    _, some = el.spool(f, watch=el.Watch("sin", stats=None, where="watch/scan*"))(xs)
+    assert set(some) == {"watch/scan[0]/scan[0]/sin[0]"}
+
+
+@fast
+def test_a_name_matching_nothing_is_said_with_the_closest():
+    with pytest.warns(
+        UserWarning, match=r"watch='cholesy' matches nothing.*did you mean 'cholesky'"
+    ):
+        el.spool(lambda m: jnp.linalg.cholesky(m), watch="cholesy")(jnp.eye(2))
+    with pytest.raises(TypeError, match="eqx_logs.Watch"):
+        el.Watch(3)
+    with pytest.raises(TypeError, match=r"watch=3"):
+        el.spool(lambda x: x, watch=3)
+
+
+def test_tap_delivers_the_watched_events():
+    got = []
+    tapped = el.tap(newton_sqrt, callback=lambda logs, steps: got.append(logs), watch="while")
+    out = tapped(jnp.float32(10.0))
+    want = np_newton(10.0)
+    carries = [float(e["watch/while[0]/carry/1"]) for e in got if "watch/while[0]/carry/1" in e]
+    np.testing.assert_allclose(carries, want, rtol=1e-6)
+    assert float(out) == pytest.approx(want[-1])
+
+
+def test_the_scope_around_the_call_and_the_policy_option():
+    def f(a):
+        with el.scope("solver"):
+            return el.watch(newton_sqrt, "while")(a)
+
+    _, logs = el.spool(f, reduce="last")(jnp.float32(10.0))
+    np.testing.assert_allclose(
+        logs["solver/watch/while[0]/carry/1"], np_newton(10.0)[-1], rtol=1e-6
+    )
+    policy = el.Policy(watch=["while"], reduce="last")
+    _, logs = el.spool(newton_sqrt, policy=policy)(jnp.float32(10.0))
+    np.testing.assert_allclose(logs["watch/while[0]/carry/1"], np_newton(10.0)[-1], rtol=1e-6)
+
+
+def test_nothing_is_watched_outside_a_spool():
+    watched = el.watch(newton_sqrt, "while")
+    np.testing.assert_allclose(watched(jnp.float32(10.0)), newton_sqrt(jnp.float32(10.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        jax.jit(watched)(jnp.float32(10.0))
+
+
+# -- real libraries: optax, diffrax, optimistix, lineax -------------------------------------
+
+
+@pytest.mark.usefixtures("standard_promotion")  # optax's Adam (see conftest.py)
+def test_optax_adam_first_step_sqrt_is_the_gradients_magnitude():
+    """Adam's first step divides by sqrt(nu_hat), and nu_hat = g**2 there."""
+    import optax
+
+    params = {"a": jnp.array([1.0, -2.0]), "b": jnp.array([[0.5, 3.0]])}
+    grads = {"a": jnp.array([0.3, -0.1]), "b": jnp.array([[2.0, -4.0]])}
+    opt = optax.adam(1e-3)
+
+    def step(grads, params):
+        updates, _ = opt.update(grads, opt.init(params), params)
+        return optax.apply_updates(params, updates)
+
+    new, logs = jax.jit(el.spool(step, watch=el.Watch("sqrt", stats=None)))(grads, params)
+    assert set(logs) == {"watch/sqrt[0]", "watch/sqrt[1]"}  # one per leaf, in leaf order
+    np.testing.assert_allclose(logs["watch/sqrt[0]"][0], np.abs(grads["a"]), rtol=1e-4)
+    np.testing.assert_allclose(logs["watch/sqrt[1]"][0], np.abs(grads["b"]), rtol=1e-4)
+    want = jax.tree.map(lambda p, g: p - 1e-3 * np.sign(g), params, grads)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5), new, want)
+
+
+def np_cube_root_newton(a: float, y: float = 1.0, n: int = 7) -> list[float]:
+    out = []
+    for _ in range(n):
+        y = np.float32(y - (y**3 - a) / (3 * y**2))
+        out.append(float(y))
+    return out
+
+
+def _root(a):
+    import optimistix as optx
+
+    solver = optx.Newton(rtol=1e-6, atol=1e-6)
+    return optx.root_find(lambda y, a: y**3 - a, solver, jnp.array(1.0), args=a, max_steps=32).value
+
+
+ROOT_KEY = "watch/while[0]/carry/3"  # optimistix's Newton: the iterate y, in its carry
+
+
+def test_optimistix_newton_iterates_under_jit_vmap_and_grad():
+    spooled = el.spool(_root, watch=el.Watch("while", where=ROOT_KEY), reduce=el.Stack(capacity=32))
+    out, logs = jax.jit(spooled)(jnp.float32(8.0))
+    n = int(logs.count[ROOT_KEY])
+    assert set(logs) == {ROOT_KEY}
+    np.testing.assert_allclose(logs[ROOT_KEY][:n], np_cube_root_newton(8.0, n=n), rtol=1e-5)
+    assert abs(logs[ROOT_KEY][n - 1] - 2.0) < 1e-5 and float(out) == pytest.approx(2.0)
+    # each lane its own run: lanes stop after different numbers of iterations
+    _, batched = jax.vmap(spooled)(jnp.array([8.0, 1000.0]))
+    for i, a in enumerate([8.0, 1000.0]):
+        _, alone = spooled(jnp.float32(a))
+        assert int(batched.count[ROOT_KEY][i]) == int(alone.count[ROOT_KEY])
+        np.testing.assert_array_equal(batched[ROOT_KEY][i], alone[ROOT_KEY])
+    assert int(batched.count[ROOT_KEY][0]) != int(batched.count[ROOT_KEY][1])
+    # under grad (optimistix differentiates implicitly: a custom_jvp), the forward once
+    grad, graded = jax.grad(spooled, has_aux=True)(jnp.float32(8.0))
+    assert float(grad) == pytest.approx(1 / 12, rel=1e-4)
+    assert int(graded.count[ROOT_KEY]) == n
+    np.testing.assert_array_equal(graded[ROOT_KEY], logs[ROOT_KEY])
+
+
+def test_diffrax_steps_are_the_outer_loops_iterations():
+    import diffrax
+
+    def solve(y0):
+        return diffrax.diffeqsolve(
+            diffrax.ODETerm(lambda t, y, args: -y),
+            diffrax.Tsit5(),
+            0.0,
+            1.0,
+            0.1,
+            y0,
+            stepsize_controller=diffrax.PIDController(rtol=1e-6, atol=1e-8),
+            saveat=diffrax.SaveAt(steps=True),
+            max_steps=64,
+        )
+
+    watch = el.Watch("while", stats=None, where="watch/while[0]/carry/*")  # the steps' loop
+    sol, logs = jax.jit(el.spool(solve, watch=watch, reduce=el.Stack(capacity=64)))(
+        jnp.array([1.0, 2.0])
+    )
+    counts = {int(c) for c in logs.count.values()}
+    assert counts == {int(sol.stats["num_steps"])}  # one event per step, accepted or not
+    # the carry leaf that is y holds, after the last step, the solution at t1
+    n = int(sol.stats["num_accepted_steps"])
+    y1 = np.asarray(sol.ys[n - 1])
+    np.testing.assert_allclose(y1, np.exp(-1.0) * np.array([1.0, 2.0]), rtol=1e-5)
+    assert n >= 5
+    (steps,) = counts
+    last = [np.asarray(v[steps - 1]) for v in logs.values() if np.shape(v)[1:] == (2,)]
+    assert any(np.allclose(v, y1, rtol=1e-6) for v in last)
+
+
+def test_lineax_linear_solve_and_its_lu():
+    import lineax as lx
+
+    a = jnp.array([[3.0, 1.0], [1.0, 2.0]])
+    b = jnp.array([1.0, 1.0])
+
+    def solve(a, b):
+        return lx.linear_solve(lx.MatrixLinearOperator(a), b, lx.LU()).value
+
+    x, logs = el.spool(solve, watch=el.Watch("linear_solve", "lu", stats=None))(a, b)
+    want = np.linalg.solve(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    np.testing.assert_allclose(logs["watch/linear_solve[0]/0"][0], want, rtol=1e-6)
+    np.testing.assert_allclose(x, want, rtol=1e-6)
+    # LAPACK's packed LU of a: U above the diagonal, L's multipliers below
+    np.testing.assert_allclose(
+        logs["watch/lu[0]/0"][0], [[3.0, 1.0], [1 / 3, 2 - 1 / 3]], rtol=1e-6
+    )
+    # under grad: the same forward values
+    spooled = el.spool(lambda a, b: solve(a, b).sum(), watch="linear_solve")
+    g, graded = jax.grad(spooled, argnums=1, has_aux=True)(a, b)
+    np.testing.assert_allclose(g, np.linalg.solve(np.asarray(a).T, np.ones(2)), rtol=1e-5)
+    assert int(graded.count["watch/linear_solve[0]/0/mean"]) == 1
