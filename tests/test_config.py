@@ -419,6 +419,31 @@ def test_jsonl_logger_path_override_writes_there(tmp_path):
     ] == [{"run": 0, "key": "a", "value": 1.5}]
 
 
+WATCH_CASES = {
+    "logging.watch=while": (["logging.watch=while"], eqx_logs.Watch("while")),
+    "logging.watch=[while,cholesky]": (
+        ["logging.watch=[while,cholesky]"],
+        eqx_logs.Watch("while", "cholesky"),
+    ),
+    "logging.watch={names, where, max_depth, stats}": (
+        ["logging.watch={names: [scan], where: 'watch/scan*', max_depth: 1, stats: [rms]}"],
+        eqx_logs.Watch("scan", where="watch/scan*", max_depth=1, stats=("rms",)),
+    ),
+}
+
+
+@pytest.mark.parametrize("overrides, want", WATCH_CASES.values(), ids=list(WATCH_CASES))
+def test_compose_watch(overrides, want):
+    assert compose_policy().watch is None
+    assert compose_policy(*overrides).watch == want
+
+
+def test_a_bad_watch_names_the_key():
+    cfg = compose_cfg("logging.watch={names: [while], max_dept: 1}")
+    with pytest.raises(InstantiationException, match=r"logging.watch=.*max_dept"):
+        instantiate(cfg.logging)
+
+
 # Bad values fail when the config is instantiated, before anything runs, naming key and value.
 BAD_VALUES = {
     "logging.interval=0": ("logging.interval=0", "logging.interval=0"),
