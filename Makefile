@@ -91,6 +91,7 @@ bench: .venv/.installed
 	.venv/bin/python benchmarks/bench_instrument.py
 	.venv/bin/python benchmarks/bench_loop.py --memory
 	.venv/bin/python benchmarks/bench_overhead.py
+	.venv/bin/python benchmarks/bench_watch.py
 
 lint: .venv/.installed
 	.venv/bin/ruff check eqx_logs hydra_plugins tests examples benchmarks docs
