@@ -11,6 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _compat
+from ._watch import CHECKED, OPERATION_MARK
 
 
 @jtu.register_pytree_with_keys_class
@@ -351,13 +352,17 @@ def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | 
     keys, sites, step_names = tables
     if not bool(arrays["found"]):
         return None
-    site = int(arrays["site"])
+    site = sites[int(arrays["site"])] if int(arrays["site"]) >= 0 else "a custom derivative rule"
     steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
+    key, operation = keys[int(arrays["key"])], None
+    if key == CHECKED:  # `first_nonfinite="any"`: the site names the operation too
+        site, operation = site.rsplit(OPERATION_MARK, 1)
     return NonfiniteEvent(
-        key=keys[int(arrays["key"])],
+        key=key,
         event=int(arrays["event"]),
         steps={n: v for n, v in steps.items() if v != -1},
-        site=sites[site] if site >= 0 else "a custom derivative rule",
+        site=site,
+        operation=operation,
         backward=bool(arrays["backward"]),
         iterations=tuple(int(i) for i in arrays["iterations"][: int(arrays["depth"])]),
         lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
@@ -377,7 +382,11 @@ class NonfiniteEvent:
     - `iterations`: the iteration each loop (`lax.scan`, `lax.while_loop`, `fori_loop`)
       around it inside the spool was in, outermost first, counted in execution order (a
       reversed scan's first iteration is 0): in a scan over training steps, the step;
-    - `lane`: under a `jax.vmap` inside the spool, the first lane (flattened) that had one.
+    - `lane`: under a `jax.vmap` inside the spool, the first lane (flattened) that had one;
+    - `operation`: with `first_nonfinite="any"`, the operation whose output it was and its
+      address (as [`eqx_logs.watch`][]'s: `"div at scan[0]/div[1]"`), or the function's
+      input; its `site` is then your line that led there, and its `key` the key of the
+      checks (`"first_nonfinite/checked"`, whose count is how many checks ran).
     """
 
     key: str
@@ -387,9 +396,13 @@ class NonfiniteEvent:
     backward: bool
     iterations: tuple[int, ...] = ()
     lane: int | None = None
+    operation: str | None = None
 
     def __str__(self) -> str:
-        where = [f"event {self.event} of key {self.key!r}"]
+        if self.operation is not None:
+            where = [f"the output of {self.operation}"]
+        else:
+            where = [f"event {self.event} of key {self.key!r}"]
         where += [f"{n}={v}" for n, v in self.steps.items()]
         if self.iterations:
             where.append(f"loop iteration {', '.join(map(str, self.iterations))}")
@@ -397,7 +410,8 @@ class NonfiniteEvent:
             where.append(f"vmap lane {self.lane}")
         return (
             f"first non-finite value: {', '.join(where)}; in the "
-            f"{'backward' if self.backward else 'forward'} pass, logged at {self.site}"
+            f"{'backward' if self.backward else 'forward'} pass, "
+            f"{'at' if self.operation is not None else 'logged at'} {self.site}"
         )
 
 

@@ -18,6 +18,7 @@ from ._primitive import current_prefix, tracing_context
 from ._reduce import Policy, PolicyOptions, check_options, document_options, with_options
 from ._retrace import OPEN, finish, note_compile
 from ._rules import RULES
+from ._watch._nonfinite import checked
 from ._watch._rewrite import watched
 from ._wrapper import AbstractWrapper, build_wrapper, carrying
 
@@ -165,6 +166,8 @@ def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
     closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     if policy.watch is not None:
         closed = watched(closed, flat, policy.watch, "eqx_logs.spool")
+    if policy.first_nonfinite == "any":
+        closed = checked(closed, flat)
     spool = Spool(policy, RULES, keep=keep)
     outs, logs = spool.run(closed, flat)
     warn_unmatched(spool.interp.plan, "eqx_logs.spool", spool.store)

@@ -61,7 +61,7 @@ class PolicyConfig:
     prefix: str = ""
     seed: int | None = None
     across: list[str] = field(default_factory=list)
-    first_nonfinite: bool = False
+    first_nonfinite: Any = False  # true, false or "any"
     # a primitive or loop name, a list of them, or {names: [...], where: ..., max_depth: ...,
     # stats: [...]} (the arguments of eqx_logs.Watch)
     watch: Any = None

@@ -495,3 +495,48 @@ def test_train_example_bad_instrument_value(overrides, message):
     with pytest.raises((InstantiationException, ValueError)) as info:
         train_main(*overrides.split())
     assert message in str(info.value), str(info.value)
+
+
+def test_first_nan_example_names_the_operation_and_step():
+    """examples/first_nan.py's report, against the steps replayed by hand (one jitted step at a
+    time, the probabilities and gradients threaded out): the first step where a picked
+    probability rounds to 0 is the one whose `log` is reported, and no gradient of the steps
+    before it has a NaN or an infinity."""
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    ex = _load_example("first_nan")
+    with jax.numpy_dtype_promotion("standard"):  # (optax)
+        report, losses, stable = ex.main()
+        key = jax.random.key(ex.SEED)
+        model = eqx.nn.MLP(8, ex.CLASSES, 64, 2, key=key)
+        x, labels = ex.data(jax.random.fold_in(key, 1))
+        params, static = eqx.partition(model, eqx.is_array)
+        optimizer = optax.sgd(ex.LR)
+
+        @jax.jit
+        def step(params, state):
+            logits = jax.vmap(eqx.combine(params, static))(x)
+            picked = jnp.take_along_axis(jax.nn.softmax(logits), labels[:, None], axis=1)
+            loss, grads = jax.value_and_grad(
+                lambda p: ex.naive_loss(eqx.combine(p, static), x, labels)
+            )(params)
+            updates, state = optimizer.update(grads, state, params)
+            finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+            return optax.apply_updates(params, updates), state, jnp.min(picked), finite
+
+        state, first = optimizer.init(params), None
+        for k in range(ex.STEPS):
+            params, state, smallest, finite = step(params, state)
+            if float(smallest) == 0.0:
+                first = k
+                break
+            assert bool(finite), f"a gradient of step {k} is not finite before any log(0)"
+    assert first is not None and first == int(np.argmax(~np.isfinite(np.asarray(losses))))
+    assert report.iterations == (first,)
+    assert report.operation.startswith("log at ") and not report.backward
+    path, line = re.match(r"(.+):(\d+) ", report.site).groups()
+    assert "jnp.log(picked)" in pathlib.Path(path).read_text().splitlines()[int(line) - 1]
+    assert np.isfinite(stable[first])

@@ -352,3 +352,82 @@ def test_lineax_linear_solve_and_its_lu():
     g, graded = jax.grad(spooled, argnums=1, has_aux=True)(a, b)
     np.testing.assert_allclose(g, np.linalg.solve(np.asarray(a).T, np.ones(2)), rtol=1e-5)
     assert int(graded.count["watch/linear_solve[0]/0/mean"]) == 1
+
+
+# -- first_nonfinite="any": the first operation with a NaN or an infinity --------------------
+
+
+def diverging(xs):
+    def body(c, x):
+        y = jnp.log(c + x)  # THE LOG: c + x < 0 at the fourth step
+        return c + 0.5 * jnp.exp(y), y
+
+    c, ys = lax.scan(body, 1.0, xs)
+    return jnp.sum(ys) / c
+
+
+def _line_of(fun, marker: str) -> int:
+    import inspect
+
+    lines, start = inspect.getsourcelines(fun)
+    return start + next(i for i, s in enumerate(lines) if marker in s)
+
+
+@fast
+def test_any_operation_forward_against_numpy():
+    xs = jnp.array([1.0, 2.0, 0.5, -10.0, 3.0])
+    c, first = 1.0, None  # numpy: the first step whose log is not finite
+    with np.errstate(all="ignore"):
+        for i, x in enumerate(np.asarray(xs)):
+            y = np.log(np.float32(c + x))
+            if not np.isfinite(y) and first is None:
+                first = i
+            c = c + 0.5 * np.exp(y)
+    spooled = el.spool(diverging, first_nonfinite="any")
+    _, logs = spooled(xs)
+    report = logs.first_nonfinite
+    assert report.iterations == (first,) == (3,)
+    assert report.operation == "log at scan[0]/log[0]" and not report.backward
+    assert report.site.endswith(f":{_line_of(diverging, 'THE LOG')} (diverging.<locals>.body)")
+    assert "the output of log at scan[0]/log[0], loop iteration 3" in str(report)
+    _, jitted = jax.jit(spooled)(xs)
+    assert jitted.first_nonfinite == report
+    assert int(logs.count["first_nonfinite/checked"]) == int(
+        jitted.count["first_nonfinite/checked"]
+    )
+    _, fine = spooled(jnp.abs(xs))
+    assert fine.first_nonfinite is None
+
+
+@jax.custom_vjp
+def _through(x):
+    return x
+
+
+_through.defvjp(lambda x: (x, x), lambda x, ct: (ct / x,))  # THE DIVISION, in the backward pass
+
+
+def test_any_operation_backward_and_inputs_and_lanes():
+    def f(x):
+        return jnp.sum(2.0 * _through(x))  # THE CALL
+
+    _, logs = el.spool(jax.grad(f), first_nonfinite="any")(jnp.array([1.0, 0.0]))
+    report = logs.first_nonfinite
+    assert report.backward and report.iterations == () and report.operation.startswith("div at")
+    # the site: the line of this file that led there (the call of the custom_vjp function)
+    assert report.site.endswith(f":{_line_of(f, 'THE CALL')} ({f.__qualname__})")
+    # the forward pass alone is finite there
+    _, forward = el.spool(f, first_nonfinite="any")(jnp.array([1.0, 0.0]))
+    assert forward.first_nonfinite is None
+    # a non-finite input is named as such
+    _, given = el.spool(f, first_nonfinite="any")(jnp.array([1.0, jnp.inf]))
+    assert given.first_nonfinite.operation == "the function's input 0"
+    # under vmap: each lane its own run, its own report
+    xs = jnp.array([[1.0, 2.0, 0.5, -10.0, 3.0], [1.0, -5.0, 1.0, 1.0, 1.0], [1.0] * 5])
+    _, batched = jax.vmap(el.spool(diverging, first_nonfinite="any"))(xs)
+    for i in range(3):
+        _, alone = el.spool(diverging, first_nonfinite="any")(xs[i])
+        assert batched.first_nonfinite[i] == alone.first_nonfinite
+    assert [r and r.iterations for r in batched.first_nonfinite] == [(3,), (1,), None]
+    with pytest.raises(TypeError, match=r'first_nonfinite=.anything.*"any"'):
+        el.Policy(first_nonfinite="anything")

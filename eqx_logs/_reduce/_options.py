@@ -42,7 +42,7 @@ class PolicyOptions(TapOptions, total=False):
     window: int | None
     key: PRNGKeyArray | None
     across: str | Iterable[str] | None
-    first_nonfinite: bool | None
+    first_nonfinite: bool | str | None
 
 
 class Option(NamedTuple):
@@ -108,7 +108,11 @@ OPTIONS: dict[str, Option] = {
         """also find the first event, in execution order, whose value has a NaN or infinite
         element: `logs.first_nonfinite` names its key, event, steps, call site and pass
         (forward or backward). Every kept key's events are checked, those an `interval`
-        skips included.""",
+        skips included. `"any"` also checks the output of every operation that can make a
+        NaN or an infinity of finite inputs, in code you did not write (a division, an
+        `exp`, a matmul that overflows; forward and, in a derivative the spool contains,
+        backward) and the function's inputs: the report names the operation, its
+        address (as [`eqx_logs.watch`][]'s) and your line that led there.""",
     ),
 }
 

@@ -68,7 +68,7 @@ class Policy(eqx.Module):
     watch: Watch | None = eqx.field(static=True)
     key: PRNGKeyArray | None
     across: tuple[str, ...] = eqx.field(static=True)
-    first_nonfinite: bool = eqx.field(static=True)
+    first_nonfinite: bool | str = eqx.field(static=True)
 
     def __init__(self, **options: Unpack[PolicyOptions]):
         check_options("eqx_logs.Policy", options)
@@ -100,9 +100,9 @@ class Policy(eqx.Module):
         check_count("Policy", "window", self.window, optional=True)
         if not isinstance(self.prefix, str):
             raise TypeError(f"Policy(prefix={self.prefix!r}): prefix must be a string.")
-        if not isinstance(self.first_nonfinite, bool):
+        if not (isinstance(self.first_nonfinite, bool) or self.first_nonfinite == "any"):
             raise TypeError(
-                f"Policy(first_nonfinite={self.first_nonfinite!r}): expected True or False."
+                f'Policy(first_nonfinite={self.first_nonfinite!r}): expected True, False or "any".'
             )
         for pattern, _ in self.rules:
             if not isinstance(pattern, str):

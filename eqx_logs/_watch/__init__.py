@@ -4,4 +4,10 @@ what is watched (a policy option, so it imports nothing that logs); `_rewrite.py
 rewritten with the logs in it (`watched`, for spool and tap); `_api.py`: the function
 transform `eqx_logs.watch`."""
 
-from ._spec import WATCH_TAG as WATCH_TAG, Watch as Watch, as_watch as as_watch
+from ._spec import (
+    CHECKED as CHECKED,
+    OPERATION_MARK as OPERATION_MARK,
+    WATCH_TAG as WATCH_TAG,
+    Watch as Watch,
+    as_watch as as_watch,
+)

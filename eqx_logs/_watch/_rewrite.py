@@ -14,9 +14,8 @@ loop's carry `kind[j]/carry/i`.
 """
 
 import collections
-import functools
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
@@ -37,14 +36,6 @@ def _transparent(eqn: _compat.JaxprEqn) -> bool:
     return name in _compat.INLINE_CALLS or name in _compat.REMAT or name in _compat.CUSTOM_CALLS
 
 
-def _is_watched(spec: Watch, eqn: _compat.JaxprEqn) -> bool:
-    return eqn.primitive.name in spec.names
-
-
-def _contains(spec: Watch, closed: Any) -> bool:
-    return _compat.any_eqn(closed, functools.partial(_is_watched, spec))
-
-
 def _backward(eqn: _compat.JaxprEqn) -> bool:
     return _compat.in_backward_pass(eqn) or (
         eqn.primitive.name in _compat.REMAT and _compat.recomputes(eqn)
@@ -63,7 +54,7 @@ def _depth(address: str) -> int:
     return sum(p.endswith("]") and not p.startswith("branch[") for p in parts[:-1])
 
 
-class _Watcher:
+class Watcher:
     """Evaluates a jaxpr in the current trace with the watched values logged."""
 
     def __init__(self, spec: Watch):
@@ -71,6 +62,20 @@ class _Watcher:
         self.prefix = current_prefix()
         self.matched: set[str] = set()  # the names that matched an equation
         self.logged = False  # whether anything passed `where` and `max_depth`
+
+    def watches(self, eqn: _compat.JaxprEqn) -> bool:
+        """Whether `eqn`'s outputs (a loop's: its carry) are logged."""
+        return eqn.primitive.name in self.spec.names
+
+    def contains(self, closed: Any) -> bool:
+        """Whether `closed` has an equation this watches, at any depth."""
+        return _compat.any_eqn(closed, self.watches)
+
+    def descends(self, eqn: _compat.JaxprEqn) -> bool:
+        """Whether `eqn`'s jaxprs are evaluated here (rebuilt), not bound as they are."""
+        if eqn.primitive.name in LOOPS and self.watches(eqn):
+            return True  # its carry
+        return any(self.contains(j) for j in _compat.sub_jaxprs(eqn.params))
 
     def eval(
         self,
@@ -102,16 +107,14 @@ class _Watcher:
             return _compat.bind_eqn(eqn, invals)  # eqx_logs' own: as it is
         if _backward(eqn) and not self.spec.backward:
             return _compat.bind_eqn(eqn, invals)
-        name, watched = eqn.primitive.name, _is_watched(self.spec, eqn)
+        name, watched = eqn.primitive.name, self.watches(eqn)
         inner = (*outer, eqn)
         rebuild = _rebuild_of(eqn)
-        contains = any(_contains(self.spec, j) for j in _compat.sub_jaxprs(eqn.params))
-        descend = contains or (watched and name in LOOPS)
         here = path
         if not _transparent(eqn) or watched:
             here = f"{path}{name}[{counters[name]}]"
             counters[name] += 1
-        if rebuild is None or not descend:
+        if rebuild is None or not self.descends(eqn):
             outs = _compat.bind_eqn(eqn, invals)
         elif _transparent(eqn):
             outs = rebuild(self, eqn, invals, path, inner, counters)
@@ -136,14 +139,14 @@ class _Watcher:
             where = f"{key}/{name}" if name else key
             if _loggable(x) and self.spec.selects(where, depth):
                 site = site or _compat.eqn_location(eqn, outer)
-                out[name] = self.log(where, x, site)
+                out[name] = self.log(where, x, site, eqn)
             else:
                 out[name] = x
         return out if isinstance(values, dict) else out[""]
 
-    def log(self, key: str, x: Any, site: str) -> Any:
-        """Log `x` (or its statistics) under `key`; returns it, with its cotangent tapped if
-        `grads`."""
+    def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
+        """Log `x` (or its statistics), an output of `eqn`, under `key`; returns it, with its
+        cotangent tapped if `grads`."""
         spec = self.spec
         self.logged = True
         whole = spec.stats is None or x.size == 1
@@ -169,11 +172,11 @@ def _rebuild_of(eqn) -> Any:
 # equations around that, and for a transparent call the enclosing jaxpr's counters.
 
 
-def _inline(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _inline(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     return w.eval(_compat.call_jaxpr(eqn), invals, path, outer, counters)
 
 
-def _remat(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _remat(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     body = _compat.call_jaxpr(eqn)
 
     def run(*xs):  # (traced once, now: the counters go on from the enclosing jaxpr's)
@@ -182,11 +185,11 @@ def _remat(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[
     return list(jax.checkpoint(run, **_compat.remat_options(eqn))(*invals))
 
 
-def _scan(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _scan(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     body, num_consts, num_carry = _compat.scan_parts(eqn)
     consts, init = invals[:num_consts], invals[num_consts : num_consts + num_carry]
     xs = invals[num_consts + num_carry :]
-    carried = _is_watched(w.spec, eqn)
+    carried = w.watches(eqn)
 
     def step(carry, x):
         outs = w.eval(body, [*consts, *carry, *x], path, outer)
@@ -199,15 +202,15 @@ def _scan(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[A
     return [*carry, *ys]
 
 
-def _carry(w: _Watcher, path: str, carry: list[Any], eqn, outer: tuple) -> list[Any]:
+def _carry(w: Watcher, path: str, carry: list[Any], eqn, outer: tuple) -> list[Any]:
     named = w.emit(f"{path}carry", {str(i): x for i, x in enumerate(carry)}, eqn, outer)
     return [named[str(i)] for i in range(len(carry))]
 
 
-def _while(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _while(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     cond, cond_n, body, body_n = _compat.while_parts(eqn)
     cond_consts, body_consts = invals[:cond_n], invals[cond_n : cond_n + body_n]
-    carried = _is_watched(w.spec, eqn)
+    carried = w.watches(eqn)
 
     def cond_fun(carry):
         return w.eval(cond, [*cond_consts, *carry], f"{path}cond/", outer)[0]
@@ -219,7 +222,7 @@ def _while(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[
     return list(jax.lax.while_loop(cond_fun, body_fun, invals[cond_n + body_n :]))
 
 
-def _cond(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _cond(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     def branch(b, closed):
         return lambda *ops: w.eval(closed, ops, f"{path}branch[{b}]/", outer)
 
@@ -228,7 +231,7 @@ def _cond(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[A
     return list(_compat.switch(invals[0], branches, *invals[1:], platforms=platforms))
 
 
-def _custom_jvp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _custom_jvp(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     n, prefix = len(eqn.outvars), current_prefix()
     entry = collections.Counter(counters)  # the user's rule, traced later, is addressed alike
 
@@ -242,7 +245,7 @@ def _custom_jvp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> 
     return _compat.bind_custom_jvp(eqn, invals, [], fun, rule, lambda: logging_as(prefix))
 
 
-def _custom_vjp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _custom_vjp(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     prefix = current_prefix()
     entry = collections.Counter(counters)
 
@@ -260,7 +263,7 @@ def _custom_vjp(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> 
     )
 
 
-def _shard_map(w: _Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+def _shard_map(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
     body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
 
     def per_device(*args):
@@ -291,24 +294,29 @@ def watched(closed: Any, args: Sequence[Any], spec: Watch, where: str) -> Any:
     """`closed` (traced on `args`) with the values `spec` watches logged, as a new jaxpr.
     `where` names the caller in warnings (a name that matches nothing in the program is said,
     with the closest there)."""
-    watcher = _Watcher(spec)
-    if _contains(spec, closed):
-        with tracing_context(enabled=True):
-            closed = jax.make_jaxpr(lambda *a: watcher.eval(closed, a, "", ()))(*args)
+    watcher = Watcher(spec)
+    if watcher.contains(closed):
+        closed = retraced(lambda *xs: watcher.eval(closed, xs, "", ()), args)
     _warn_unmatched(spec, watcher, closed, where)
     return closed
+
+
+def retraced(run: Callable[..., list[Any]], args: Sequence[Any]) -> Any:
+    """`run` traced to a jaxpr on `args`' types, with logging on."""
+    with tracing_context(enabled=True):
+        return jax.make_jaxpr(run)(*args)
 
 
 def run_watched(closed: Any, args: Sequence[Any], spec: Watch, where: str) -> list[Any]:
     """`closed` evaluated on `args` in the current trace, the values `spec` watches logged
     (where a spool or tap is tracing)."""
-    watcher = _Watcher(spec)
+    watcher = Watcher(spec)
     outs = watcher.eval(closed, args, "", ())
     _warn_unmatched(spec, watcher, closed, where)
     return outs
 
 
-def _warn_unmatched(spec: Watch, watcher: _Watcher, closed: Any, where: str) -> None:
+def _warn_unmatched(spec: Watch, watcher: Watcher, closed: Any, where: str) -> None:
     present = {e.primitive.name for e in _compat.eqns(closed)}
     for name in spec.names:
         if name not in watcher.matched:

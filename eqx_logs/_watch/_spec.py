@@ -9,6 +9,10 @@ import equinox as eqx
 from .._checks import DEFAULT_STATS, check_stats
 
 WATCH_TAG = "watch"  # on every event `watch` logs
+# `first_nonfinite="any"`: the key of its checks, and what parts a check's site, the user's
+# line then the operation it checks ("x.py:3 (f); div at scan[0]/div[1]")
+CHECKED = "first_nonfinite/checked"
+OPERATION_MARK = "; "
 
 
 def _pattern(where: str) -> "re.Pattern[str]":

@@ -1,0 +1,96 @@
+"""`first_nonfinite="any"`: the first operation whose output has a NaN or an infinity, in code
+the user did not write, forward and backward, found on the device in one run.
+
+The program is rewritten as `watch` rewrites it: after each operation that can turn finite
+inputs into a non-finite output (a division, an `exp`, a matmul that overflows, ...), one
+event under `CHECKED`: 0 if the output is finite, NaN if not, logged at a site that names
+the operation, its address and the user's line. The spool's `first_nonfinite` search, which
+looks at every event in execution order, then reports the first of them (with the loop
+iterations, the vmap lane and the pass). An operation that only moves or selects values
+(`reshape`, `select_n`, `max`, `tanh`, ...) cannot make a non-finite value of finite ones,
+so its output is not checked: where it is not finite, an input was, and that was checked
+first (or is an input of the program, checked on entry).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from .. import _compat
+from .._primitive import BACKWARD_TAG, bind, call_site
+from ._rewrite import LOOPS, Watcher, retraced
+from ._spec import CHECKED, OPERATION_MARK, WATCH_TAG, Watch
+
+# Finite inputs give finite outputs: moving, selecting, comparing, bounded functions.
+_FINITE_PRESERVING = frozenset(
+    {
+        "abs", "argmax", "argmin", "broadcast_in_dim", "ceil", "clamp", "concatenate", "copy",
+        "copy_p", "cos", "cummax", "cummin", "device_put", "dynamic_slice",
+        "dynamic_update_slice", "erf", "expand_dims", "floor", "gather", "imag", "iota",
+        "is_finite", "logistic", "max", "min", "neg", "optimization_barrier", "pad", "real",
+        "reduce_max", "reduce_min", "reshape", "rev", "round", "select_n", "sharding_constraint",
+        "sign", "sin", "slice", "sort", "squeeze", "stop_gradient", "tanh", "transpose",
+    }
+)  # fmt: skip
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _widens(eqn: _compat.JaxprEqn) -> bool:
+    """A conversion to a float type at least as wide (which cannot overflow)."""
+    if eqn.primitive.name != "convert_element_type":
+        return False
+    src, dst = eqn.invars[0].aval.dtype, eqn.outvars[0].aval.dtype
+    return np.dtype(dst).itemsize >= np.dtype(src).itemsize or not jnp.issubdtype(src, jnp.inexact)
+
+
+class _AnyNonfinite(Watcher):
+    """Checks the output of every operation that can make a non-finite value."""
+
+    def __init__(self):
+        super().__init__(Watch("*", stats=None, backward=True))
+
+    def watches(self, eqn: _compat.JaxprEqn) -> bool:
+        name = eqn.primitive.name
+        if name in _FINITE_PRESERVING or _widens(eqn) or name in LOOPS:
+            return False
+        if any(True for _ in _compat.sub_jaxprs(eqn.params)) and name != _compat.SHARD_MAP:
+            return False  # (what it contains is checked)
+        return any(_inexact(v.aval) for v in eqn.outvars)
+
+    def descends(self, eqn: _compat.JaxprEqn) -> bool:
+        # a shard_map's body is not looked into (the search does not span devices yet):
+        # its outputs are checked as those of one operation
+        return eqn.primitive.name != _compat.SHARD_MAP and super().descends(eqn)
+
+    def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            address = key.split("watch/", 1)[-1]
+            where = f"{site}{OPERATION_MARK}{eqn.primitive.name} at {address}"
+            _check(x, where, _compat.in_backward_pass(eqn))
+        return x
+
+
+def _check(x: Any, site: str, backward: bool) -> None:
+    bad = jnp.logical_not(jnp.all(jnp.isfinite(x)))
+    value = jnp.where(bad, jnp.float32(np.nan), jnp.float32(0))
+    tags = (WATCH_TAG, BACKWARD_TAG) if backward else (WATCH_TAG,)
+    bind({CHECKED: value}, {}, tags=tags, site=site, reduce="count")
+
+
+def checked(closed: Any, args: Sequence[Any]) -> Any:
+    """`closed` (traced on `args`) with every operation that can make a non-finite value
+    checked, and the program's inputs checked on entry."""
+    watcher, site = _AnyNonfinite(), call_site()
+
+    def run(*xs):
+        for i, x in enumerate(xs):
+            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x):
+                _check(x, f"{site}{OPERATION_MARK}the function's input {i}", False)
+        return watcher.eval(closed, xs, "", ())
+
+    return retraced(run, args)
