@@ -35,6 +35,11 @@ class _Mask(Handler):
     def __init__(self, mask: Any, branch: tuple[int, int] | None):
         self.mask, self.branch = mask, branch
         self.interp = Interpreter(Policy(), RULES, self)
+        self.spooled = _compat.logging_enabled.value  # a spool or tap traces around
+
+    def owns_rules(self) -> bool:
+        # (a vmap outside every spool and tap: the rules log as they would, unbound)
+        return self.spooled
 
     def rule_carry(self, eqn: Any) -> list[Any]:
         # a custom_vjp's: its backward rule, traced when JAX transposes, may log (a

@@ -1,5 +1,6 @@
 """The `log` and `sow` primitives, their rules, and the functions that bind them (`bind`,
-`rebind`, `grad_tap`); `log` and `log_grad` (`_log.py`) check what the user logs and bind it.
+`rebind`, `grad_tap`, `bind_backward_logs`); `log` and `log_grad` (`_log.py`) check what the
+user logs and bind it.
 
 One call to `log` binds `log_p` once. Its operands are the value leaves of every key, then the
 step scalars, then (if `masked`) a boolean validity mask; its parameters say how to rebuild
@@ -13,6 +14,8 @@ For a cond, `branches` then records which branch of which batched cond the log i
 branches of one cond exclude each other, and a spool bounds them by the maximum over the
 branches, as without vmap. (A custom_vjp's backward rule in such a branch, which JAX traces
 when it transposes, binds its logs with the mask too: `masked_events`.)
+JAX's backward-pass logs (`bind_backward_logs`) carry `iteration=True`, and no other log
+does: their step `iteration` is filled where they are consumed.
 `log_p` has no outputs and an effect of its own, so it survives DCE, AD, remat and control
 flow until a spool or tap interprets it.
 """
@@ -61,9 +64,9 @@ log_effect = LogEffect()
 _compat.register_effect(LogEffect)
 
 
-def _lost_message(site: str, rule: str) -> str:
+def _lost_message(site: str, rule: str, what: str = "eqx_logs.log") -> str:
     return (
-        f"eqx_logs.log at {site}, in a custom derivative rule of {rule}, ran outside every "
+        f"{what} at {site}, in a custom derivative rule of {rule}, ran outside every "
         "spool and tap, so its events are lost: the derivative was taken outside the spool "
         "(as in `jax.grad(spool(f))`), and the spool's outputs were fixed by the primal "
         "function. Put the spool outside the derivative to capture them: "
@@ -269,10 +272,12 @@ def bind(
     reduce: Any = None,
     site: str,
     statistics: bool = False,
+    iteration: bool = False,
 ) -> None:
     """Bind `log_p` for already-validated, already-scoped `items`, with the steps of the
     enclosing `scope` blocks. `statistics`: the items are statistics of arrays
-    (`"<where>/<stat>"`, see `_stats.py`), not the values the user logged."""
+    (`"<where>/<stat>"`, see `_stats.py`), not the values the user logged. `iteration`: the
+    step `ITERATION_STEP` is filled where the event is consumed (`bind_backward_logs`)."""
     steps = {**current_steps(), **steps}
     if _compat.logging_enabled.value:
         note_steps(steps, site)
@@ -295,6 +300,7 @@ def bind(
         masked=masked is not None,
         branches=branches,
         statistics=statistics,
+        **({"iteration": True} if iteration else {}),  # (only there: other logs print as before)
     )
 
 
@@ -338,6 +344,48 @@ def _grad_tap_bwd(items_of, site, tags, steps, ct):
 
 
 _grad_tap.defvjp(_grad_tap_fwd, _grad_tap_bwd)
+
+
+# ----------------------------------------------------------------------------------------
+# JAX's backward-pass logs (jax >= 0.12)
+# ----------------------------------------------------------------------------------------
+
+ITERATION_STEP = "iteration"  # the step of JAX's backward-pass logs (see below)
+
+
+def bind_backward_logs(logs: dict[Any, Any], site: str) -> None:
+    """Log JAX's backward-pass logs: `logs`, the dict a backward rule registered with
+    `custom_vjp.defvjp_with_logs` (or `custom_gradient(with_logs=True)`) returned beside its
+    cotangents, handed over where JAX runs the rule (`_compat.on_backward_logs`; `site`: where
+    the custom function was called). One event per key, under the key as JAX names it (scopes
+    apply), tagged `BACKWARD_TAG`, with one step, `ITERATION_STEP`: filled where the event is
+    consumed (`_interpret/_gate.py`: `steps_of`) with the index of the innermost `lax.scan`
+    iteration around it, -1 outside any. A backward rule inside a scan runs in the transposed
+    scan at the index of its forward iteration, which is how `jax.vjp(...).with_logs` stacks
+    them. The steps of the `scope` blocks around are not recorded: JAX may run the rule in a
+    trace of its own (a transposed scan body), where their traced values do not exist."""
+    rule = getattr(local, "rule", None)  # a custom function spool or tap bound again
+    if not _compat.logging_enabled.value:  # (JAX's own use: nothing; else lost, as `log`)
+        if rule is not None:
+            what = f"JAX's backward-pass logs {', '.join(map(repr, logs))}"
+            warnings.warn(_lost_message(site, rule, what), LostEventsWarning, stacklevel=2)
+        return
+    prefix, items = current_prefix(), {}
+    for key, value in logs.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(
+                f"eqx_logs: a backward rule called at {site} returned the backward-pass log "
+                f"key {key!r} (a {type(key).__name__}); eqx_logs names events with non-empty "
+                "strings. Name the rule's logs with strings."
+            )
+        check_value(key, value, site)
+        items[f"{prefix}/{key}" if prefix else key] = value
+    with no_context_steps():
+        steps = {ITERATION_STEP: np.int32(-1)}
+        bind(items, steps, tags=(BACKWARD_TAG,), site=site, iteration=True)
+
+
+_compat.on_backward_logs(bind_backward_logs)
 
 
 # ----------------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary r
 - `_equinox`: the implementations of Equinox's primitives (`equinox_impl`);
 - `_higher_order`: the higher-order primitives by name, and one accessor for each
   (`scan_parts`, `while_parts`, ...);
-- `_custom`: custom_jvp/custom_vjp calls bound again with extra inputs and outputs;
 - `_jaxprs`: `unpack`/`sub_jaxprs`/`strip_eqn`, reading and rebuilding jaxprs without
   mutating them; `bind_eqn`, evaluating one equation as `jax.core.eval_jaxpr` would; where
-  an equation comes from (`eqn_location`);
+  an equation comes from (`eqn_location`, `current_location`);
+- `_backward_logs`: JAX's backward-pass logs (jax >= 0.12, `defvjp_with_logs`), handed to
+  eqx_logs where JAX runs each backward rule (`on_backward_logs`, `rule_output`);
+- `_custom`: custom_jvp/custom_vjp calls bound again with extra inputs and outputs;
 - `_hoisting`: `keep_in_loops`, partial-eval rules that stop JAX hoisting logs out of loops;
 - `_registry`: `register_effect` (an effect type of our own, allowed everywhere a log may
   appear); `logging_enabled`, `scope_prefix` (JAX config states in the jit key and the trace
@@ -25,6 +27,10 @@ a registration, a version check) is made in one module, once. `tests/test_compat
 vocabulary on the installed JAX version.
 """
 
+from ._backward_logs import (
+    BACKWARD_LOGS as BACKWARD_LOGS,
+    on_backward_logs as on_backward_logs,
+)
 from ._custom import (
     bind_custom_jvp as bind_custom_jvp,
     bind_custom_rules_in as bind_custom_rules_in,
@@ -80,6 +86,7 @@ from ._host import (
 from ._jaxprs import (
     any_eqn as any_eqn,
     bind_eqn as bind_eqn,
+    current_location as current_location,
     eqn_location as eqn_location,
     eqns as eqns,
     function_name as function_name,

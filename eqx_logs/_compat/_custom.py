@@ -10,11 +10,9 @@ from jax._src.ad_util import SymbolicZero as _SymbolicZero
 from jax._src.interpreters import ad as _ad
 from jax.tree_util import tree_structure as _tree_structure, tree_unflatten as _tree_unflatten
 
+from ._backward_logs import BACKWARD_LOGS, rule_output
 from ._higher_order import CUSTOM_JVP, close
 from ._types import JaxprEqn
-
-# jax >= 0.12: a flat custom_vjp backward rule returns `(cotangents, logs)` (`vjp.with_logs`)
-_BWD_RETURNS_LOGS = hasattr(_ad, "CustomBwdWithAccums")
 
 
 def _wrap(fun: Callable, like: Any) -> Any:
@@ -77,11 +75,10 @@ def bind_custom_rules_in(
 
         def bwd_(*xs):
             r = out_trees()[1].num_leaves
-            with context(*xs[r : r + k]):
-                out = bwd.call_wrapped(*xs[:r], *xs[r + k :])
-            cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+            with context(*xs[r : r + k]):  # (its logs, jax >= 0.12, emitted there too)
+                cts_in, logs = rule_output(bwd.call_wrapped(*xs[:r], *xs[r + k :]))
             cts_in = [*cts_in, *_zeros(xs[r : r + k])]
-            return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
+            return (cts_in, logs) if BACKWARD_LOGS else cts_in
 
         subfuns = (_wrap(fun_, fun) if k else fun, _wrap(fwd_, fwd), _wrap(bwd_, bwd))
         params["out_trees"] = out_trees_ if k else out_trees
@@ -198,11 +195,10 @@ def bind_custom_vjp(
         num_res = out_trees()[1].num_leaves
         res, carried = xs[:num_res], xs[num_res : num_res + k]
         cts = xs[num_res + k : num_res + k + n_out]
-        with bwd_context(*carried):
-            out = bwd.call_wrapped(*res, *cts)
-        cts_in, logs = out if _BWD_RETURNS_LOGS else (out, None)
+        with bwd_context(*carried):  # (its logs, jax >= 0.12, emitted there too)
+            cts_in, logs = rule_output(bwd.call_wrapped(*res, *cts))
         cts_in = [*const_zeros, *cts_in, *extra_zeros, *_zeros(carried)]
-        return (cts_in, logs) if _BWD_RETURNS_LOGS else cts_in
+        return (cts_in, logs) if BACKWARD_LOGS else cts_in
 
     subfuns = (_wrap(fun_, thunk), _wrap(fwd_, thunk), _wrap(bwd_, bwd))
     out = eqn.primitive.bind(

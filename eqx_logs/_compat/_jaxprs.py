@@ -166,10 +166,21 @@ def eqn_location(eqn: JaxprEqn, outer: Sequence[JaxprEqn] = ()) -> str:
     function that binds its primitive), else the innermost outside JAX and eqx_logs. The
     traceback of an equation inside a jit stops at that jit: `outer` are the equations
     around `eqn` (outermost first), whose frames are searched next for one outside packages."""
+    return _location([e.source_info.traceback for e in (eqn, *reversed(outer))])
+
+
+def current_location() -> str:
+    """`eqn_location` of the equation JAX is transposing now: its backward pass runs each
+    equation's transpose under that equation's source information (for a custom_vjp call,
+    where the user called the function)."""
+    return _location([_source_info_util.current().traceback])
+
+
+def _location(tracebacks: Sequence[Any]) -> str:
     frames = [
         frame
-        for e in (eqn, *reversed(outer))
-        for frame in _source_info_util.user_frames(e.source_info.traceback)
+        for traceback in tracebacks
+        for frame in _source_info_util.user_frames(traceback)
         if not os.path.abspath(frame.file_name).startswith(_package_dir)
     ]
     frame = next((f for f in frames if not _installed(f.file_name)), frames[0] if frames else None)

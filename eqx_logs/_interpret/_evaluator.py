@@ -6,10 +6,11 @@ rebuilds it through JAX's public constructors with the handler's states threaded
 everything else is bound as it is. Operands computed only for logs are evaluated lazily, where
 an event needs them (`_deferred.py`). Nothing JAX created is mutated.
 
-What rules may use (besides `eval`): `guard`, `snapshot`/`restored`, `on_device`, `rule_name`;
-and the pieces `plan` (`_plan.py`: `count`), `lanes` (`_lane_context.py`), `manual`
-(`_manual.py`) and `handler` (`_handler.py`: its hooks `keys`, `settle`, `threadable`,
-`loop`/`entering_loop`/`iteration`, `streamed`, `device_states`/`device_blocks`).
+What rules may use (besides `eval`): `guard`, `snapshot`/`restored`, `on_device`,
+`in_iteration`, `rule_name`; and the pieces `plan` (`_plan.py`: `count`), `lanes`
+(`_lane_context.py`), `manual` (`_manual.py`) and `handler` (`_handler.py`: its hooks `keys`,
+`settle`, `threadable`, `loop`/`entering_loop`/`iteration`, `streamed`,
+`device_states`/`device_blocks`).
 
 A handler makes its interpreter (`Handler.run` drives it); the interpreter holds no state of
 any handler's, and calls the handler only through the hooks `Handler` declares.
@@ -45,6 +46,8 @@ class Interpreter:
         self.lanes = LaneContext()
         # the custom derivative rule being evaluated, if any (its events may pass on)
         self.rule_name: str | None = None
+        # the indices of the scan iterations being evaluated, innermost last (`in_iteration`)
+        self.iterations: list[Any] = []
         self._log_only_cache: dict[int, tuple[Any, Producers, set[int]]] = {}
 
     @contextlib.contextmanager
@@ -66,6 +69,16 @@ class Interpreter:
         """Evaluate under a `snapshot()` taken elsewhere."""
         with self.handler.restored(context, static), self.lanes.restored(context):
             yield
+
+    @contextlib.contextmanager
+    def in_iteration(self, index: Any):
+        """Evaluating a scan's body at iteration `index` (a traced integer): the step that
+        JAX's backward-pass logs inside get (`_gate.steps_of`), if they are consumed here."""
+        self.iterations.append(index)
+        try:
+            yield
+        finally:
+            self.iterations.pop()
 
     @contextlib.contextmanager
     def on_device(self, args: Sequence[Any], axes: tuple[str, ...], check_vma: bool):

@@ -17,7 +17,7 @@ from jax import lax
 
 from .. import _compat
 from .._deferred import force
-from .._primitive import rebind
+from .._primitive import ITERATION_STEP, rebind
 from .._scope import INTERVAL_STEP
 
 if TYPE_CHECKING:
@@ -39,10 +39,15 @@ def items_of(eqn: _compat.JaxprEqn, leaves: Any) -> dict[str, Any]:
     return jtu.tree_unflatten(eqn.params["treedef"], leaves)
 
 
-def steps_of(eqn: _compat.JaxprEqn, invals: list[Any]) -> dict[str, Any]:
-    """The event's steps, by name."""
+def steps_of(interp: "Interpreter", eqn: _compat.JaxprEqn, invals: list[Any]) -> dict[str, Any]:
+    """The event's steps, by name; for JAX's backward-pass logs (`bind_backward_logs`), the
+    index of the innermost scan iteration `interp` is evaluating, if any (else -1, as bound)."""
     n_leaves = eqn.params["treedef"].num_leaves
-    return dict(zip(eqn.params["steps"], force(invals[n_leaves:])))
+    steps = dict(zip(eqn.params["steps"], force(invals[n_leaves:])))
+    if eqn.params.get("iteration") and interp.iterations:
+        bound = steps[ITERATION_STEP]  # (with the lanes of the vmaps around the log, if any)
+        steps[ITERATION_STEP] = jnp.broadcast_to(interp.iterations[-1], jnp.shape(bound))
+    return steps
 
 
 def mask_of(eqn: _compat.JaxprEqn, invals: list[Any], everywhere: Any = None) -> Any:

@@ -144,6 +144,12 @@ class Handler:
         del context, static
         return contextlib.nullcontext()
 
+    def owns_rules(self) -> bool:
+        """Whether the events of the custom derivative rules bound here (`_rules/_custom.py`)
+        belong to a spool or tap: then, where none captures them (the derivative taken outside
+        it), a `LostEventsWarning` names the custom function."""
+        return True
+
     def rule_carry(self, eqn: _compat.JaxprEqn) -> list[Any]:
         """Arrays that the events of the rules of `eqn`, a custom derivative's call, depend
         on here: bound as operands of the call and handed to `rule_events` where JAX traces

@@ -119,6 +119,7 @@ class Plan:
         self._recorded: dict[int, Any] = {}
         self._counts: dict[int, tuple[Any, Counts]] = {}
         self._has_log: dict[int, tuple[Any, bool]] = {}
+        self._iterated: dict[int, tuple[Any, bool]] = {}  # `fills_iteration`
         self._bodies: dict[tuple[int, str, bool], tuple[Any, Any]] = {}  # `opaque_body`
         self._recomputing = False  # inside a remat's recomputation (`recomputing`)
         self._outer: list[Any] = []  # the equations around the one being counted
@@ -150,6 +151,15 @@ class Plan:
             top = _compat.eqns(closed, deep=False)
             found = any(is_log(e) or self.eqn_has_log(e) for e in top)
             hit = self._has_log[id(closed)] = (closed, found)
+        return hit[1]
+
+    def fills_iteration(self, closed: Any) -> bool:
+        """Whether `closed` (at any depth) holds JAX's backward-pass logs, whose step is the
+        index of the scan iteration around them (`_primitive.bind_backward_logs`)."""
+        hit = self._iterated.get(id(closed))
+        if hit is None:
+            found = _compat.any_eqn(closed, lambda e: is_log(e) and "iteration" in e.params)
+            hit = self._iterated[id(closed)] = (closed, found)
         return hit[1]
 
     def eqn_has_log(self, eqn: _compat.JaxprEqn) -> bool:

@@ -94,9 +94,10 @@ def _custom_name(eqn) -> str:
 
 def _rules_only(interp, eqn, invals):
     """A custom call whose primal does not log: bound as it is, its rules with logging on
-    (their events pass on to an enclosing spool or tap, else warn), under the handler's
-    `rule_events`."""
-    name, prefix, handler = _custom_name(eqn), current_prefix(), interp.handler
+    (their events pass on to an enclosing spool or tap, else warn, where the handler owns
+    them), under the handler's `rule_events`."""
+    prefix, handler = current_prefix(), interp.handler
+    name = _custom_name(eqn) if handler.owns_rules() else None
 
     @contextlib.contextmanager
     def context(*carried):

@@ -29,13 +29,22 @@ def _scan_apply(interp, eqn, invals, states):
     init_lanes = interp.lanes.of_each(init)
     stream = Stream() if init_lanes else handler.streamed(body, options["length"])
     carried = [k for k in handler.keys(body) if k not in stream.keys]
+    # the iteration's index, where JAX's backward-pass logs inside record it (`in_iteration`)
+    indexed = interp.plan.fills_iteration(body)
+    if indexed:
+        xs = [*xs, jnp.arange(options["length"], dtype=jnp.int32)]
 
     def step(carry, x):
         values, lanes, sub = carry
         live = interp.lanes.in_step(values, lanes)  # see _while_apply
         interp.lanes.give(values, lanes)
         sub = stream.start(handler.iteration(sub))
-        with interp.guard(lambda: live, live) if lanes else contextlib.nullcontext():
+        x, index = (x[:-1], x[-1]) if indexed else (x, None)
+        with contextlib.ExitStack() as context:
+            if lanes:
+                context.enter_context(interp.guard(lambda: live, live))
+            if indexed:
+                context.enter_context(interp.in_iteration(index))
             outs, sub = interp.eval(body, [*consts, *values, *x], sub, settle=False)
         sub, events = stream.take(sub)
         values = outs[:num_carry]

@@ -253,7 +253,7 @@ class Tap(Handler):
         if self._silent:  # the interval skips this event
             return None
         items = items_of(eqn, invals[: eqn.params["treedef"].num_leaves])
-        steps = steps_of(eqn, invals)
+        steps = steps_of(interp, eqn, invals)
         if interp.manual.axes:  # inside a shard_map: the device's coordinates on its axes
             steps = {**{a: lax.axis_index(a) for a, _ in interp.manual.axes}, **steps}
         keys = [k for k in items if k in self._kept and self._group[k] in states]

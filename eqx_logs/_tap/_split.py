@@ -70,10 +70,13 @@ class ScanSplit:
 
     def once_each(self, groups: list[str], stepped: bool = False) -> bool:
         """Whether the scan runs forward, its length known and not zero, and its body logs
-        each of `groups` exactly once per iteration, unconditionally (`_per_iteration`)."""
+        each of `groups` exactly once per iteration, unconditionally (`_per_iteration`), and
+        records no iteration's index (JAX's backward-pass logs: see `_rules/_loops.py`)."""
         length = self.length
         if self.reverse or not groups or not isinstance(length, int) or not length:
             return False  # (a symbolic length, under jax.export, is not split)
+        if self.interp.plan.fills_iteration(self.body):
+            return False
         return _per_iteration(self.tap, self.body, stepped) == dict.fromkeys(groups, 1)
 
     def iteration(self, carry: Any, x: Any, counters: dict[str, Any]) -> tuple[Any, Any]:

@@ -83,7 +83,7 @@ class Spool(Handler):
             rebind(eqn, invals, interp.lanes.mask())
         n_leaves = params["treedef"].num_leaves
         items = items_of(eqn, list(range(n_leaves)))
-        steps = steps_of(eqn, invals)
+        steps = steps_of(interp, eqn, invals)
         mask = mask_of(eqn, invals, everywhere=True)
         lane = interp.lanes.mask()
         if lane is not None:
