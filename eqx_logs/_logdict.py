@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _compat
-from ._watch import CHECKED, OPERATION_MARK
+from ._watch import CHECKED, operation_of
 
 
 @jtu.register_pytree_with_keys_class
@@ -355,8 +355,8 @@ def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | 
     site = sites[int(arrays["site"])] if int(arrays["site"]) >= 0 else "a custom derivative rule"
     steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
     key, operation = keys[int(arrays["key"])], None
-    if key == CHECKED:  # `first_nonfinite="any"`: the site names the operation too
-        site, operation = site.rsplit(OPERATION_MARK, 1)
+    if key == CHECKED:  # `first_nonfinite="any"`: the site lists the operations checked
+        site, operation = operation_of(site, steps)
     return NonfiniteEvent(
         key=key,
         event=int(arrays["event"]),
@@ -386,7 +386,7 @@ class NonfiniteEvent:
     - `operation`: with `first_nonfinite="any"`, the operation whose output it was and its
       address (as [`eqx_logs.watch`][]'s: `"div at scan[0]/div[1]"`), or the function's
       input; its `site` is then your line that led there, and its `key` the key of the
-      checks (`"first_nonfinite/checked"`, whose count is how many checks ran).
+      checks (`"first_nonfinite/checked"`, one event per straight run of checked operations).
     """
 
     key: str

@@ -76,7 +76,6 @@ def main():
         f"{float(losses[first_inf - 1]):.3f}, step {first_inf} {float(losses[first_inf])}"
     )
     print(report)
-    print(f"checks per run: {int(logs.count['first_nonfinite/checked'])}")
     (_, stable), _ = eqx.filter_jit(eqx_logs.spool(train))(model, x, labels, stable_loss)
     print(f"with log_softmax, step {first_inf}: {float(stable[first_inf]):.3f} (finite)")
     return report, losses, stable

@@ -6,8 +6,9 @@ transform `eqx_logs.watch`."""
 
 from ._spec import (
     CHECKED as CHECKED,
-    OPERATION_MARK as OPERATION_MARK,
+    OPERATION as OPERATION,
     WATCH_TAG as WATCH_TAG,
     Watch as Watch,
     as_watch as as_watch,
+    operation_of as operation_of,
 )

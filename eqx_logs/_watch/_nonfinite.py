@@ -1,10 +1,12 @@
 """`first_nonfinite="any"`: the first operation whose output has a NaN or an infinity, in code
 the user did not write, forward and backward, found on the device in one run.
 
-The program is rewritten as `watch` rewrites it: after each operation that can turn finite
-inputs into a non-finite output (a division, an `exp`, a matmul that overflows, ...), one
-event under `CHECKED`: 0 if the output is finite, NaN if not, logged at a site that names
-the operation, its address and the user's line. The spool's `first_nonfinite` search, which
+The program is rewritten as `watch` rewrites it: the output of each operation that can turn
+finite inputs into a non-finite output (a division, an `exp`, a matmul that overflows, ...)
+is checked, and the checks of each straight run of operations are one event under
+`CHECKED`: 0 if every output is finite, NaN if not, with the index of the first that is not
+as its step `OPERATION`, logged at a site that lists the run's operations (each with its
+address and the user's line). The spool's `first_nonfinite` search, which
 looks at every event in execution order, then reports the first of them (with the loop
 iterations, the vmap lane and the pass). An operation that only moves or selects values
 (`reshape`, `select_n`, `max`, `tanh`, ...) cannot make a non-finite value of finite ones,
@@ -12,16 +14,18 @@ so its output is not checked: where it is not finite, an input was, and that was
 first (or is an input of the program, checked on entry).
 """
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from .. import _compat
 from .._primitive import BACKWARD_TAG, bind, call_site
 from ._rewrite import LOOPS, Watcher, retraced
-from ._spec import CHECKED, OPERATION_MARK, WATCH_TAG, Watch
+from ._spec import CHECKED, OPERATION, WATCH_TAG, Watch
 
 # Finite inputs give finite outputs: moving, selecting, comparing, bounded functions.
 _FINITE_PRESERVING = frozenset(
@@ -49,10 +53,13 @@ def _widens(eqn: _compat.JaxprEqn) -> bool:
 
 
 class _AnyNonfinite(Watcher):
-    """Checks the output of every operation that can make a non-finite value."""
+    """Checks the output of every operation that can make a non-finite value: the checks of
+    each straight run of operations (of one pass) are one event, whose step `OPERATION` is
+    the first failing check's index in the run, and whose site lists the run's operations."""
 
     def __init__(self):
         super().__init__(Watch("*", stats=None, backward=True))
+        self.pending: list[tuple[Any, str, str, bool]] = []  # (finite, site, operation, back)
 
     def watches(self, eqn: _compat.JaxprEqn) -> bool:
         name = eqn.primitive.name
@@ -70,16 +77,26 @@ class _AnyNonfinite(Watcher):
     def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
         if jnp.issubdtype(x.dtype, jnp.inexact):
             address = key.split("watch/", 1)[-1]
-            where = f"{site}{OPERATION_MARK}{eqn.primitive.name} at {address}"
-            _check(x, where, _compat.in_backward_pass(eqn))
+            self.gather(
+                x, site, f"{eqn.primitive.name} at {address}", _compat.in_backward_pass(eqn)
+            )
         return x
 
+    def gather(self, x: Any, site: str, operation: str, backward: bool) -> None:
+        if self.pending and self.pending[-1][3] != backward:
+            self.flush()  # (one pass per event)
+        self.pending.append((jnp.all(jnp.isfinite(x)), site, operation, backward))
 
-def _check(x: Any, site: str, backward: bool) -> None:
-    bad = jnp.logical_not(jnp.all(jnp.isfinite(x)))
-    value = jnp.where(bad, jnp.float32(np.nan), jnp.float32(0))
-    tags = (WATCH_TAG, BACKWARD_TAG) if backward else (WATCH_TAG,)
-    bind({CHECKED: value}, {}, tags=tags, site=site, reduce="count")
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        finite = jnp.stack([p[0] for p in self.pending])
+        table = json.dumps([[site, operation] for _, site, operation, _ in self.pending])
+        value = lax.select(jnp.all(finite), jnp.float32(0), jnp.float32(np.nan))
+        first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
+        tags = (WATCH_TAG, BACKWARD_TAG) if self.pending[0][3] else (WATCH_TAG,)
+        self.pending = []
+        bind({CHECKED: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
 
 
 def checked(closed: Any, args: Sequence[Any]) -> Any:
@@ -90,7 +107,7 @@ def checked(closed: Any, args: Sequence[Any]) -> Any:
     def run(*xs):
         for i, x in enumerate(xs):
             if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x):
-                _check(x, f"{site}{OPERATION_MARK}the function's input {i}", False)
+                watcher.gather(x, site, f"the function's input {i}", False)
         return watcher.eval(closed, xs, "", ())
 
     return retraced(run, args)

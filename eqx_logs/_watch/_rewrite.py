@@ -100,10 +100,16 @@ class Watcher:
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, _compat.DropVar):
                     env[v] = x
+        self.flush()
         return [read(v) for v in jaxpr.outvars]
+
+    def flush(self) -> None:
+        """Before a nested jaxpr is evaluated, and at the end of one: a subclass that gathers
+        values in a straight run of equations logs them here."""
 
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
         if is_log(eqn) or is_sow(eqn) or eqn.primitive is stats_p:
+            self.flush()  # (what was gathered comes before, in execution order)
             return _compat.bind_eqn(eqn, invals)  # eqx_logs' own: as it is
         if _backward(eqn) and not self.spec.backward:
             return _compat.bind_eqn(eqn, invals)
@@ -116,10 +122,10 @@ class Watcher:
             counters[name] += 1
         if rebuild is None or not self.descends(eqn):
             outs = _compat.bind_eqn(eqn, invals)
-        elif _transparent(eqn):
-            outs = rebuild(self, eqn, invals, path, inner, counters)
         else:
-            outs = rebuild(self, eqn, invals, here + "/", inner, None)
+            self.flush()
+            within = (path, counters) if _transparent(eqn) else (here + "/", None)
+            outs = rebuild(self, eqn, invals, within[0], inner, within[1])
         if watched:
             self.matched.add(name)
             if name not in LOOPS:

@@ -1,5 +1,6 @@
 """`Watch`: what `watch` (and the `watch=` option) logs of code the user did not write."""
 
+import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -9,10 +10,10 @@ import equinox as eqx
 from .._checks import DEFAULT_STATS, check_stats
 
 WATCH_TAG = "watch"  # on every event `watch` logs
-# `first_nonfinite="any"`: the key of its checks, and what parts a check's site, the user's
-# line then the operation it checks ("x.py:3 (f); div at scan[0]/div[1]")
+# `first_nonfinite="any"`: the key of its checks, and the step that says which check of an
+# event failed first (its site lists them)
 CHECKED = "first_nonfinite/checked"
-OPERATION_MARK = "; "
+OPERATION = "operation"
 
 
 def _pattern(where: str) -> "re.Pattern[str]":
@@ -119,3 +120,9 @@ def as_watch(value: Any, where: str) -> Watch | None:
             "of them, or an eqx_logs.Watch."
         )
     return Watch(*names)
+
+
+def operation_of(site: str, steps: dict[str, int]) -> tuple[str, str]:
+    """`(site, operation)` of the failing check of an event of `CHECKED` (its `site` and
+    `steps`, `OPERATION` removed from them)."""
+    return tuple(json.loads(site)[steps.pop(OPERATION)])
