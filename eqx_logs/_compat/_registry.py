@@ -42,6 +42,18 @@ scope_prefix = _jax_config.string_or_object_state(
 )
 
 
+# Whether an `eqx_logs.plant` is tracing: an `instrument`ed submodule then sows its output
+# under its path, for the plant to replace. In the jit key and the trace context like
+# `logging_enabled`; off everywhere else, where instrumented models emit no sow.
+planting = _jax_config.bool_state(
+    "eqx_logs_planting",
+    False,
+    "Internal to eqx_logs: whether an eqx_logs.plant is tracing (set by plant).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
 def def_jvp(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_jvps[prim] = rule
 
