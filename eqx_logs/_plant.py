@@ -179,7 +179,7 @@ class _Plant(Spool):
         super().__init__(Policy(), RULES, keep=True)
         self.seen: set[str] = set()  # the keys sown with `sow`
         self.paths: set[str] = set()  # the paths of instrumented submodules
-        self.nested = bool(_compat.planting.value)  # inside another plant's trace
+        self.nested = _compat.planting.value is not None  # inside another plant's trace
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         del tags
@@ -245,8 +245,8 @@ class _Plant(Spool):
                 if hit.size and np.all(hit == np.ravel(hit)[0]):
                     return bool(np.ravel(hit)[0])
         count = jnp.asarray(count)
-        index = jnp.reshape(jnp.asarray(index), (-1,)).astype(count.dtype)
-        hit = jnp.any(count[..., None] == index, axis=-1)
+        index = jnp.reshape(jnp.asarray(index), (1,) * count.ndim + (-1,))
+        hit = jnp.any(count[..., None] == index.astype(count.dtype), axis=-1)
         self._check_varies(key, xs, "`eqx_logs.at` with an index known only when it runs")
         return jnp.broadcast_to(hit, batch)
 
@@ -392,7 +392,7 @@ def _plant_call(fun, values, args, kwargs):
 
 
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:
-    with _compat.planting(True):  # instrumented submodules sow their outputs
+    with _compat.planting(frozenset(values)):  # instrumented submodules sow their outputs
         closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     plant = _Plant(values)
     outs, _ = plant.run(closed, flat)

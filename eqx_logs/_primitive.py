@@ -355,10 +355,19 @@ sow_p.def_impl(lambda *xs, **params: list(xs))
 sow_p.def_abstract_eval(lambda *avals, **params: list(avals))
 
 
-def _sow_jvp(primals, tangents, **params):
-    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates a planted
-    # value as the constant it is, since plant replaces the primitive before JAX sees it
-    return sow_p.bind(*primals, **params), list(tangents)
+def _sow_jvp(primals, tangents, *, key, **params):
+    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates what is
+    # planted, since plant replaces the primitive before JAX sees it. A derivative inside the
+    # planted function would be the sown value's: refused.
+    planted = _compat.planting.value
+    if planted is not None and key in planted:
+        raise ValueError(
+            f"eqx_logs.plant: {key!r} is planted, and differentiated inside the planted "
+            "function (a `jax.grad`, `jax.jvp` or `jax.linearize` inside `plant(f, values)`), "
+            "where the derivative would be that of the sown value, not of what is planted. "
+            "Take the derivative outside the plant: `jax.grad(eqx_logs.plant(f, values))`."
+        )
+    return sow_p.bind(*primals, key=key, **params), list(tangents)
 
 
 def _sow_batch(axis_data, args, dims, *, nbatch, **params):
@@ -380,7 +389,7 @@ def plant_point(key: str, x: Any, site: str) -> Any:
     """While a plant traces, `x` (an instrumented submodule's output, `key` its path) sown for
     that plant alone, and returned as the plant replaces it; `x` itself otherwise. Its array
     leaves are sown; a pytree without any is returned as it is."""
-    if not _compat.planting.value or not _compat.logging_enabled.value:
+    if _compat.planting.value is None or not _compat.logging_enabled.value:
         return x
     leaves, treedef = jtu.tree_flatten(x)
     arrays = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]

@@ -42,13 +42,14 @@ scope_prefix = _jax_config.string_or_object_state(
 )
 
 
-# Whether an `eqx_logs.plant` is tracing: an `instrument`ed submodule then sows its output
-# under its path, for the plant to replace. In the jit key and the trace context like
-# `logging_enabled`; off everywhere else, where instrumented models emit no sow.
-planting = _jax_config.bool_state(
+# The keys an `eqx_logs.plant` plants while it traces (a frozenset; None when none traces): an
+# `instrument`ed submodule then sows its output under its path, for the plant to replace, and
+# a planted sow refuses to be differentiated there. In the jit key and the trace context like
+# `logging_enabled`; None everywhere else, where instrumented models emit no sow.
+planting = _jax_config.string_or_object_state(
     "eqx_logs_planting",
-    False,
-    "Internal to eqx_logs: whether an eqx_logs.plant is tracing (set by plant).",
+    None,
+    "Internal to eqx_logs: the keys an eqx_logs.plant tracing plants (set by plant).",
     include_in_jit_key=True,
     include_in_trace_context=True,
 )
