@@ -1,8 +1,9 @@
 """What differs between spool, tap, masking and plant: a handler, which makes an `Interpreter`
 and drives it.
 
-The interpreter evaluates equations and hands each log event to its handler (`event`), each
-`eqx_logs.sow` (`sown`) and statistics equation (`statistics`); rules thread the handler's
+The interpreter evaluates equations and hands each log event to its handler (`event`: it
+takes those it `selects`, the others pass on), each `eqx_logs.sow` (`sown`) and statistics
+equation (`statistics`); rules thread the handler's
 states through loops, branches and calls, asking it which states a jaxpr updates (`keys`) and
 how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` pair in a
 shard_map), telling it where loops begin (`loop`, `entering_loop`, `iteration`) and which keys
