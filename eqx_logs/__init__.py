@@ -3,7 +3,7 @@
 from ._instrument import instrument as instrument
 from ._log import log as log, log_grad as log_grad
 from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
-from ._plant import plant as plant, sow as sow
+from ._plant import at as at, plant as plant, sow as sow
 from ._primitive import LostEventsWarning as LostEventsWarning
 from ._reduce import (
     EMA as EMA,

@@ -12,7 +12,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from . import _compat, _nnx
-from ._primitive import bind, call_site, current_prefix, grad_tap
+from ._primitive import bind, call_site, current_prefix, grad_tap, plant_point
 from ._stats import DEFAULT_STATS, CotangentStats, check_stats, leaf_statistics, path_name
 from ._wrapper import update_wrapper, without_missing
 
@@ -37,14 +37,15 @@ class _Options:
 
     def log(self, out: Any) -> Any:
         """Log the statistics of a call's output `out`; returns `out` (with, if `grads`, the
-        backward-pass statistics attached to it)."""
+        backward-pass statistics attached to it). While a plant traces, `out` is sown under
+        the path first (`plant_point`): what the plant makes of it is returned and logged."""
         if not _compat.logging_enabled.value:
             return out  # outside a spool or tap: exactly the module's program
         site = call_site()
         prefix = current_prefix()
         name = f"{prefix}/{self.path}" if prefix else self.path
         pair = _is_state_pair(out)
-        y = out[0] if pair else out
+        y = plant_point(name, out[0] if pair else out, site)
         items = leaf_statistics(name, y, self.stats, site)
         if items:
             bind(items, {}, tags=(INSTRUMENT_TAG,), site=site, statistics=True)

@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -394,27 +395,60 @@ _compat.on_backward_logs(bind_backward_logs)
 
 # Identity on its operands (the leaves of one sown value), `nbatch` leading batch axes; the
 # value it returns is logged after it, so that a spool records what the program goes on with.
+# An instrumented submodule's output, sown only while a plant traces (`plant_point`), has the
+# parameter `hidden=True` (absent otherwise): its log is tagged `PLANT_TAG`, for plants only.
 sow_p = _compat.Primitive("eqx_logs.sow")
 sow_p.multiple_results = True
-sow_p.def_impl(lambda *xs, key, nbatch: list(xs))
-sow_p.def_abstract_eval(lambda *avals, key, nbatch: list(avals))
+sow_p.def_impl(lambda *xs, **params: list(xs))
+sow_p.def_abstract_eval(lambda *avals, **params: list(avals))
 
 
-def _sow_jvp(primals, tangents, *, key, nbatch):
-    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates a planted
-    # value as the constant it is, since plant replaces the primitive before JAX sees it
-    return sow_p.bind(*primals, key=key, nbatch=nbatch), list(tangents)
+def _sow_jvp(primals, tangents, *, key, **params):
+    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates what is
+    # planted, since plant replaces the primitive before JAX sees it. A derivative inside the
+    # planted function would be the sown value's: refused.
+    planted = _compat.planting.value
+    if planted is not None and key in planted:
+        raise ValueError(
+            f"eqx_logs.plant: {key!r} is planted, and differentiated inside the planted "
+            "function (a `jax.grad`, `jax.jvp` or `jax.linearize` inside `plant(f, values)`), "
+            "where the derivative would be that of the sown value, not of what is planted. "
+            "Take the derivative outside the plant: `jax.grad(eqx_logs.plant(f, values))`."
+        )
+    return sow_p.bind(*primals, key=key, **params), list(tangents)
 
 
-def _sow_batch(axis_data, args, dims, *, key, nbatch):
+def _sow_batch(axis_data, args, dims, *, nbatch, **params):
     size = _compat.axis_size_and_name(axis_data)[0]
     moved = [_leading(x, d, size) for x, d in zip(args, dims)]
-    return sow_p.bind(*moved, key=key, nbatch=nbatch + 1), [0] * len(args)
+    return sow_p.bind(*moved, nbatch=nbatch + 1, **params), [0] * len(args)
 
 
 _compat.def_jvp(sow_p, _sow_jvp)
 _compat.def_batching_with_axis(sow_p, _sow_batch)
-_compat.def_lowering(sow_p, lambda *xs, key, nbatch: list(xs))
+_compat.def_lowering(sow_p, lambda *xs, **params: list(xs))
+
+# The tag of the events of `plant_point`: a plant takes them; a spool or tap never selects
+# them (`Handler.selects`), and passes them on to the plant around it.
+PLANT_TAG = "eqx_logs:plant"
+
+
+def plant_point(key: str, x: Any, site: str) -> Any:
+    """While a plant traces, `x` (an instrumented submodule's output, `key` its path) sown for
+    that plant alone, and returned as the plant replaces it; `x` itself otherwise. Its array
+    leaves are sown; a pytree without any is returned as it is."""
+    if _compat.planting.value is None or not _compat.logging_enabled.value:
+        return x
+    leaves, treedef = jtu.tree_flatten(x)
+    arrays = [i for i, leaf in enumerate(leaves) if eqx.is_array(leaf)]
+    if not arrays:
+        return x
+    sown = sow_p.bind(*[jnp.asarray(leaves[i]) for i in arrays], key=key, nbatch=0, hidden=True)
+    for i, leaf in zip(arrays, sown):
+        leaves[i] = leaf
+    value = [leaf if i in arrays else None for i, leaf in enumerate(leaves)]
+    bind({key: jtu.tree_unflatten(treedef, value)}, {}, tags=(PLANT_TAG,), site=site)
+    return jtu.tree_unflatten(treedef, leaves)
 
 
 def is_sow(eqn: _compat.JaxprEqn) -> bool:

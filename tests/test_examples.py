@@ -288,6 +288,75 @@ def test_instrument_example_names_the_first_nonfinite_layer(jax_cache):
         np.testing.assert_allclose(values, want, rtol=1e-2, err_msg=name)
 
 
+# examples/patch.py: activation patching with `plant` at instrument's paths, against the
+# residual MLP run in float64 numpy with the outputs substituted by hand
+
+
+def _np_residual(model, x, patch: dict) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """The example's `ResidualMLP` on `x` in numpy, the output at each path in `patch`
+    replaced by `patch[path](output)`; returns the output and every path's output (after
+    the patch)."""
+
+    def linear(layer, h):
+        return np.asarray(layer.weight, np.float64) @ h + np.asarray(layer.bias, np.float64)
+
+    seen = {}
+
+    def at(path, h):
+        seen[path] = patch[path](h) if path in patch else h
+        return seen[path]
+
+    h = at("embed", linear(model.embed, np.asarray(x, np.float64)))
+    for i, block in enumerate(model.blocks):
+        h = h + at(f"blocks[{i}]", np.tanh(linear(block.linear, h)))
+    return at("head", linear(model.head, h)), seen
+
+
+def test_patch_example_against_numpy(jax_cache):
+    ex = _load_example("patch")
+    out = _run("patch.py", jax_cache)
+    lines = dict(line.rsplit(": ", 1) for line in out.splitlines() if ": " in line)
+
+    model, x_a, x_b, y_a = ex.setup()
+    y_a = np.asarray(y_a, np.float64)
+
+    def loss(o):
+        return float(np.mean((o - y_a) ** 2))
+
+    out_a, on_a = _np_residual(model, x_a, {})
+    out_b, on_b = _np_residual(model, x_b, {})
+    want = {
+        "loss on A": loss(out_a),
+        "loss of B's output against A's target": loss(out_b),
+    }
+    for path in ex.PATHS:
+        patched, _ = _np_residual(model, x_a, {path: lambda h, path=path: on_b[path]})
+        want[f"A with {path} patched from B"] = loss(patched)
+    half = ex.HALF
+
+    def halfway(h):
+        return np.concatenate([on_b["blocks[1]"][:half], h[half:]])
+
+    want["A with half of blocks[1] patched from B"] = loss(
+        _np_residual(model, x_a, {"blocks[1]": halfway})[0]
+    )
+    for name, value in want.items():
+        np.testing.assert_allclose(float(lines[name]), value, rtol=1e-4, atol=1e-6, err_msg=name)
+    # what the docstring promises: embed and head reproduce B; the blocks move part of the way
+    assert want["A with embed patched from B"] == pytest.approx(loss(out_b))
+    assert lines["patching embed reproduces B's output"] == "True"
+    assert lines["patching head reproduces B's output"] == "True"
+    for i in range(3):
+        assert want[f"A with blocks[{i}] patched from B"] != pytest.approx(loss(out_b), rel=1e-2)
+        assert want[f"A with blocks[{i}] patched from B"] != pytest.approx(loss(out_a), rel=1e-2)
+    # the statistics of a patched submodule are of the planted value
+    rms = re.fullmatch(r"A (\S+), B (\S+), patched (\S+)", lines["rms of blocks[1]'s output"])
+    assert rms, out
+    rms_a, rms_b = (np.sqrt(np.mean(h["blocks[1]"] ** 2)) for h in (on_a, on_b))
+    got = [float(g) for g in rms.groups()]
+    np.testing.assert_allclose(got, [rms_a, rms_b, rms_b], rtol=1e-4)
+
+
 # examples/train.py with `instrument=...` (the Hydra command line, in a subprocess)
 
 TRAIN_STEPS, TRAIN_CHUNK, INTERVAL = 200, 100, 10  # INTERVAL: logging/default.yaml

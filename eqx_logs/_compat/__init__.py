@@ -17,9 +17,9 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary r
 - `_custom`: custom_jvp/custom_vjp calls bound again with extra inputs and outputs;
 - `_hoisting`: `keep_in_loops`, partial-eval rules that stop JAX hoisting logs out of loops;
 - `_registry`: `register_effect` (an effect type of our own, allowed everywhere a log may
-  appear); `logging_enabled`, `scope_prefix` (JAX config states in the jit key and the trace
-  context); the rule registries of primitives (`def_jvp`, `def_batching`, `def_lowering`,
-  `wrap_batching`, ...);
+  appear); `logging_enabled`, `scope_prefix`, `planting` (JAX config states in the jit key
+  and the trace context); the rule registries of primitives (`def_jvp`, `def_batching`,
+  `def_lowering`, `wrap_batching`, ...);
 - `_host`: `host_callback`, a host callback that keeps its order on any number of devices.
 
 Each module imports only modules listed before it, and each piece of state (a config state,
@@ -117,6 +117,7 @@ from ._registry import (
     explicit_spec as explicit_spec,
     logging_enabled as logging_enabled,
     not_mapped as not_mapped,
+    planting as planting,
     register_effect as register_effect,
     scope_prefix as scope_prefix,
     user_axis_name as user_axis_name,

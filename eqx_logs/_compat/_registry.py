@@ -42,6 +42,19 @@ scope_prefix = _jax_config.string_or_object_state(
 )
 
 
+# The keys an `eqx_logs.plant` plants while it traces (a frozenset; None when none traces): an
+# `instrument`ed submodule then sows its output under its path, for the plant to replace, and
+# a planted sow refuses to be differentiated there. In the jit key and the trace context like
+# `logging_enabled`; None everywhere else, where instrumented models emit no sow.
+planting = _jax_config.string_or_object_state(
+    "eqx_logs_planting",
+    None,
+    "Internal to eqx_logs: the keys an eqx_logs.plant tracing plants (set by plant).",
+    include_in_jit_key=True,
+    include_in_trace_context=True,
+)
+
+
 def def_jvp(prim: Primitive, rule: Callable) -> None:
     _ad.primitive_jvps[prim] = rule
 

@@ -42,7 +42,9 @@ class Interpreter:
         self.rules = rules
         self.handler = handler
         self.manual = ManualAxes()
-        self.plan = Plan(policy, rules, handler.reduction_of, self.manual, handler.name)
+        self.plan = Plan(
+            policy, rules, handler.reduction_of, handler.selects, self.manual, handler.name
+        )
         self.lanes = LaneContext()
         # the custom derivative rule being evaluated, if any (its events may pass on)
         self.rule_name: str | None = None

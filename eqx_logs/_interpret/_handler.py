@@ -1,8 +1,9 @@
 """What differs between spool, tap, masking and plant: a handler, which makes an `Interpreter`
 and drives it.
 
-The interpreter evaluates equations and hands each log event to its handler (`event`), each
-`eqx_logs.sow` (`sown`) and statistics equation (`statistics`); rules thread the handler's
+The interpreter evaluates equations and hands each log event to its handler (`event`: it
+takes those it `selects`, the others pass on), each `eqx_logs.sow` (`sown`) and statistics
+equation (`statistics`); rules thread the handler's
 states through loops, branches and calls, asking it which states a jaxpr updates (`keys`) and
 how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` pair in a
 shard_map), telling it where loops begin (`loop`, `entering_loop`, `iteration`) and which keys
@@ -19,6 +20,7 @@ import jax.numpy as jnp
 
 from .. import _compat
 from .._methods import method
+from .._primitive import PLANT_TAG
 from .._stats import lane_masked, per_lane
 
 if TYPE_CHECKING:
@@ -60,6 +62,12 @@ class Handler:
     tracks_guards = False
 
     interp: "Interpreter"  # the interpreter it drives (made in its `__init__`)
+
+    def selects(self, tags: tuple[str, ...]) -> bool:
+        """Whether the handler takes the events of a log with `tags` (`Plan.selects` caches
+        it; the others pass on): those its policy selects, never those of a `plant_point`
+        (`PLANT_TAG`), which are a plant's alone."""
+        return PLANT_TAG not in tags and method(self.interp.policy, "selects")(tags)
 
     def reduction_of(self, key: str, site_reduce: Any) -> Any:
         """The reduction of `key` (or "drop"), uncached (`Plan.reduction_of` caches it)."""

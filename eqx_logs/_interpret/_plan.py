@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import _compat
-from .._methods import method
 from .._primitive import current_prefix, is_log, log_effect, logging_as
 from .._reduce import Policy
 from . import _keys
@@ -103,10 +102,12 @@ class Plan:
         policy: Policy,
         rules: "dict[str, Rule]",
         reduction: Callable[[str, Any], Any],
+        selects: Callable[[tuple[str, ...]], bool],
         manual: ManualAxes,
         name: str,
     ):
         self.name = name  # the handler's, in errors
+        self._selects = selects  # tags -> whether the handler takes their events
         self.manual = manual  # the manual mesh axes around what is counted (`_manual.py`)
         self.policy = policy
         self.rules = rules
@@ -128,10 +129,10 @@ class Plan:
         self.iteration_events: dict[str, int] = {}  # key -> most events in one loop iteration
 
     def selects(self, tags: tuple[str, ...]) -> bool:
-        """`self.policy.selects(tags)`, cached: called for every log equation."""
+        """The handler's `selects(tags)`, cached: called for every log equation."""
         hit = self.selected.get(tags)
         if hit is None:
-            hit = self.selected[tags] = method(self.policy, "selects")(tags)
+            hit = self.selected[tags] = self._selects(tags)
         return hit
 
     def reduction_of(self, key: str, site_reduce: Any = None) -> Any:

@@ -71,6 +71,12 @@ class Spool(Handler):
     def iteration(self, states: dict[str, Any]) -> dict[str, Any]:
         return states if self.first is None else self.first.advance(self.depth - 1, states)
 
+    def passes_on(self, eqn: Any) -> bool:
+        """Whether the events it takes of the log equation `eqn` also go on to an enclosing
+        spool or tap (`keep`)."""
+        del eqn
+        return self.keep
+
     def event(self, eqn: Any, invals: list[Any], states: dict[str, Any]) -> None:
         """Fold the events of one log equation into the states. Operands computed only for
         logs arrive `Lazy` (`_deferred.py`): where an event may be skipped, they are computed
@@ -79,7 +85,7 @@ class Spool(Handler):
         params = eqn.params
         if not selects(interp, eqn, invals):
             return  # not ours: an enclosing spool sees it
-        if self.keep:  # (kept: an enclosing spool sees it too)
+        if self.passes_on(eqn):  # (kept: an enclosing spool sees it too)
             rebind(eqn, invals, interp.lanes.mask())
         n_leaves = params["treedef"].num_leaves
         items = items_of(eqn, list(range(n_leaves)))

@@ -1,0 +1,455 @@
+"""plant with functions (`plant(f, {key: fn})`), `eqx_logs.at` (some events only, by their
+index) and plant at `instrument`'s paths: each against the same program written by hand (the
+model edited, the event index counted by hand), under jit, vmap (inside and outside) and grad.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import assert_close
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import eqx_logs
+
+fast = pytest.mark.fast  # in `make test-fast`: the quicker half
+
+W = 4  # the width of the toy models
+
+
+def _tree_close(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_close(g, w)
+
+
+# -- a function planted at a sown key --------------------------------------------------------
+
+
+class Sown(eqx.Module):
+    layers: list
+
+    def __call__(self, x):
+        for i, layer in enumerate(self.layers):
+            x = eqx_logs.sow(f"h{i}", jnp.tanh(layer(x)))
+        return x
+
+
+def _sown_model():
+    keys = jax.random.split(jax.random.key(0), 3)
+    return Sown([eqx.nn.Linear(W, W, key=k) for k in keys])
+
+
+def _sown_by_hand(model, x, fn):
+    """`model(x)` with layer 1's output replaced by `fn` of it, written out."""
+    for i, layer in enumerate(model.layers):
+        x = jnp.tanh(layer(x))
+        if i == 1:
+            x = fn(x)
+    return x
+
+
+def test_a_planted_function_matches_the_model_edited_by_hand():
+    model = _sown_model()
+    shift = jnp.array([0.5, -0.25, 0.0, 1.0])  # one example's shape: fn sees one example
+    calls = []
+
+    def fn(h):
+        calls.append(h.shape)
+        return jnp.sin(3 * h) + shift
+
+    x = jnp.linspace(-1, 1, W)
+    xs = jax.random.normal(jax.random.key(1), (5, W))
+    planted = eqx_logs.plant(model, {"h1": fn})
+    want = _sown_by_hand(model, x, fn)
+    calls.clear()
+    assert_close(planted(x), want)
+    assert calls == [(W,)]  # called once, where the value is sown
+    assert_close(jax.jit(planted)(x), want)
+    batch = jax.jit(jax.vmap(lambda x: _sown_by_hand(model, x, fn)))(xs)
+    assert_close(jax.jit(jax.vmap(planted))(xs), batch)  # vmap outside
+    inside = eqx_logs.plant(lambda xs: jax.vmap(model)(xs), {"h1": fn})
+    calls.clear()
+    assert_close(inside(xs), batch)  # vmap inside: fn is called on one example
+    assert calls == [(W,)]
+
+    # gradients: through fn, and into fn from the sown value
+    def loss(y):
+        return jnp.sum(y**2)
+
+    g = jax.jit(jax.grad(lambda x: loss(planted(x))))(x)
+    assert_close(g, jax.jit(jax.grad(lambda x: loss(_sown_by_hand(model, x, fn))))(x))
+    assert np.abs(g).max() > 1e-3
+    g = eqx.filter_jit(eqx.filter_grad(lambda m: loss(eqx_logs.plant(m, {"h1": fn})(x))))(model)
+    by_hand = eqx.filter_jit(eqx.filter_grad(lambda m: loss(_sown_by_hand(m, x, fn))))
+    _tree_close(g, by_hand(model))
+
+    # a function closing over a traced value: differentiable with respect to it
+    def scaled(s):
+        return eqx_logs.plant(model, {"h1": lambda h: h * s})(x)
+
+    s = jnp.float32(1.5)
+    g = jax.jit(jax.grad(lambda s: loss(scaled(s))))(s)
+    by_hand = jax.jit(jax.grad(lambda s: loss(_sown_by_hand(model, x, lambda h: h * s))))
+    assert_close(g, by_hand(s))
+
+    # a spool outside records the planted value, and what follows from it
+    out, logs = eqx_logs.spool(planted)(x)
+    h1 = jax.jit(lambda x: fn(jnp.tanh(model.layers[1](jnp.tanh(model.layers[0](x))))))(x)
+    assert_close(logs["h1"], [h1])
+    assert_close(logs["h2"], [want])
+
+
+@fast
+def test_a_planted_function_must_keep_the_shape_and_dtype():
+    model = _sown_model()
+    x = jnp.ones(W)
+    with pytest.raises(
+        ValueError,
+        match=r"function planted at 'h1' returned float32\[2\], but 'h1' is sown as "
+        r"float32\[4\] \(at .*test_plant.py:\d+ \(__call__\)\)",
+    ):
+        eqx_logs.plant(model, {"h1": lambda h: h[:2]})(x)
+    with pytest.raises(ValueError, match=r"returned int32\[4\], but 'h1' is sown as float32"):
+        eqx_logs.plant(model, {"h1": lambda h: h.astype(jnp.int32)})(x)
+    with pytest.raises(ValueError, match=r"called on one example: the shapes above"):
+        eqx_logs.plant(lambda xs: jax.vmap(model)(xs), {"h1": lambda h: h[:2]})(jnp.ones((3, W)))
+    # a derivative inside the plant would be the sown value's: refused
+    with pytest.raises(ValueError, match=r"'h1' is planted, and differentiated inside"):
+        eqx_logs.plant(jax.grad(lambda x: jnp.sum(model(x))), {"h1": jnp.sin})(x)
+    grad = jax.grad(lambda x: jnp.sum(model(x)))  # (nothing planted: as it is)
+    assert_close(eqx_logs.plant(grad, {})(x), jax.jit(grad)(x))
+    with pytest.raises(TypeError, match=r"at\(index, replacement\): index is an event's index"):
+        eqx_logs.at(1.5, jnp.sin)
+    with pytest.raises(ValueError, match="index .* is negative"):
+        eqx_logs.at(-1, jnp.sin)
+
+
+# -- plant at instrument's paths -------------------------------------------------------------
+
+
+def _mlp():
+    return eqx.nn.MLP(3, 2, 8, 2, activation=jnp.tanh, key=jax.random.key(0))
+
+
+def _mlp_by_hand(model: eqx.nn.MLP, x, patch: dict):
+    """An eqx.nn.MLP's forward pass (one example), layer `i`'s output replaced by
+    `patch[i]` of it."""
+    last = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):
+        x = layer(x)
+        if i in patch:
+            x = patch[i](x)
+        if i < last:
+            x = model.activation(x)
+    return x
+
+
+def _ablate(h):
+    return h.at[:4].set(0.0) * 2  # half the units off, the others doubled
+
+
+def test_plant_at_instrument_paths_matches_the_model_edited_by_hand():
+    model = _mlp()
+    im = eqx_logs.instrument(model, stats=("mean", "rms"), grads=True)
+    x = jnp.array([0.5, -1.0, 2.0])
+    xs = jax.random.normal(jax.random.key(1), (6, 3))
+
+    planted = eqx_logs.plant(im, {"layers[1]": _ablate})
+    patch = {1: _ablate}
+
+    def loss(y):
+        return jnp.sum(jnp.sin(y) ** 2)
+
+    @eqx.filter_jit
+    def by_hand(model, x, xs):  # (one program: the references)
+        out = _mlp_by_hand(model, x, patch)
+        batch = jax.vmap(lambda x: _mlp_by_hand(model, x, patch))(xs)
+        grads = eqx.filter_grad(lambda m: loss(_mlp_by_hand(m, x, patch)))(model)
+        h0 = jax.vmap(model.layers[0])(xs)
+        h1 = jax.vmap(_ablate)(jax.vmap(model.layers[1])(jnp.tanh(h0)))
+        ct = jax.grad(lambda h: loss(jax.vmap(model.layers[2])(jnp.tanh(h))))(h1)
+        return out, model(x), batch, grads, h0, h1, ct
+
+    want, unpatched, batch, want_grads, h0, h1, ct = by_hand(model, x, xs)
+    assert_close(planted(x), want)
+    assert np.abs(np.asarray(want - unpatched)).max() > 1e-2  # (the patch changes something)
+    assert_close(jax.jit(planted)(x), want)
+    assert_close(jax.jit(jax.vmap(planted))(xs), batch)
+    assert_close(eqx_logs.plant(lambda xs: jax.vmap(im)(xs), {"layers[1]": _ablate})(xs), batch)
+
+    # gradients with respect to the model's weights, through the patch
+    g = eqx.filter_jit(
+        eqx.filter_grad(lambda m: loss(eqx_logs.plant(m, {"layers[1]": _ablate})(x)))
+    )(im)
+    _tree_close(g, want_grads)
+
+    # the statistics are those of the planted value (and of its cotangent), over the batch
+    def batch_loss(m, xs):
+        return loss(jax.vmap(eqx_logs.plant(m, {"layers[1]": _ablate}))(xs))
+
+    _, logs = eqx_logs.spool(eqx.filter_grad(batch_loss))(im, xs)
+    h0, h1, ct = (np.asarray(a, np.float64) for a in (h0, h1, ct))
+    assert_close(logs["layers[0]/mean"], [np.mean(h0)])
+    assert_close(logs["layers[1]/mean"], [np.mean(h1)])
+    assert_close(logs["layers[1]/rms"], [np.sqrt(np.mean(np.square(h1)))])
+    assert_close(logs["layers[1]/grad/rms"], [np.sqrt(np.mean(np.square(ct)))])
+    assert {k.split("/")[0] for k in logs} == {"layers[0]", "layers[1]", "layers[2]"}
+    assert "layers[1]" not in logs  # the sown output is the plant's alone
+    # per lane under a vmap outside the spool
+    _, logs = jax.vmap(eqx_logs.spool(planted))(xs)
+    assert_close(logs["layers[1]/mean"][:, 0], np.mean(h1, axis=1))
+
+    # outside any plant, no instrumented submodule sows
+    assert "eqx_logs.sow" not in str(jax.make_jaxpr(eqx_logs.spool(im))(x))
+    assert "eqx_logs.sow" not in str(jax.make_jaxpr(eqx_logs.plant(im, {}))(x))
+
+
+def test_plant_arrays_at_instrument_paths_and_a_function_that_logs():
+    model = _mlp()
+    im = eqx_logs.instrument(model, stats=("mean",))
+    xa = jax.random.normal(jax.random.key(2), (4, 3))
+    xb = jax.random.normal(jax.random.key(3), (4, 3))
+
+    def batched(m, xs):
+        return jax.vmap(m)(xs)
+
+    # a function may log: here, to read layers[0]'s output on xb (rows: events, batch, ...)
+    def record(h):
+        eqx_logs.log("h0", h)
+        return h
+
+    v = jnp.linspace(-1.0, 1.0, 8)
+
+    @eqx.filter_jit
+    def by_hand(model, xa, xb):
+        return (
+            jax.vmap(model.layers[0])(xb),
+            jax.vmap(model)(xb),
+            _mlp_by_hand(model, xa[0], {1: lambda h: v}),
+            _mlp_by_hand(model, xa[0], {0: jnp.cos, 1: _ablate}),
+        )
+
+    h0, out_b, with_v, nested = by_hand(model, xa, xb)
+    _, logs = eqx_logs.spool(eqx_logs.plant(batched, {"layers[0]": record}))(im, xb)
+    assert logs["h0"].shape == (1, 4, 8)
+    assert_close(logs["h0"][0], h0)
+    # planted on xa, one row per event: layers[0] as on xb, so the output is xb's
+    got = eqx_logs.plant(batched, {"layers[0]": logs["h0"]})(im, xa)
+    assert_close(got, out_b)
+    # one value for every event
+    assert_close(eqx_logs.plant(im, {"layers[1]": v})(xa[0]), with_v)
+
+    # nested plants, a spool between them, scopes
+    def scoped(m, x):
+        with eqx_logs.scope("enc"):
+            return eqx_logs.spool(eqx.filter_checkpoint(m))(x)[0]
+
+    inner = eqx_logs.plant(scoped, {"enc/layers[0]": jnp.cos})
+    assert_close(eqx_logs.plant(inner, {"enc/layers[1]": _ablate})(im, xa[0]), nested)
+
+    # a tap sees the statistics, not the sown outputs
+    seen = []
+    tapped = eqx_logs.tap(
+        eqx_logs.plant(im, {"layers[1]": _ablate}),
+        callback=lambda logs, _: seen.append(sorted(logs)),
+    )
+    tapped(xa[0])
+    jax.effects_barrier()
+    assert seen == [["layers[0]/mean"], ["layers[1]/mean"], ["layers[2]/mean"]]
+
+
+@fast
+def test_plant_at_an_unknown_path_names_the_paths():
+    im = eqx_logs.instrument(_mlp(), where="layers[*]")
+    with pytest.raises(
+        ValueError,
+        match=r"'layers\[5\]' is not sown in MLP; the keys sown there are \[\]; the paths of "
+        r"its instrumented submodules are \['layers\[0\]', 'layers\[1\]', 'layers\[2\]'\]\.",
+    ):
+        eqx_logs.plant(im, {"layers[5]": jnp.sin})(jnp.ones(3))
+    with pytest.raises(ValueError, match=r"call the model instrumented \(`eqx_logs.instrument"):
+        eqx_logs.plant(_mlp(), {"layers[1]": jnp.sin})(jnp.ones(3))
+
+
+# -- eqx_logs.at: some events only, by their index -------------------------------------------
+
+
+class Stacked(eqx.Module):
+    layers: eqx.nn.Linear  # stacked with eqx.filter_vmap
+
+
+N = 5  # layers in the stack
+
+
+def _stack():
+    keys = jax.random.split(jax.random.key(4), N)
+    return Stacked(eqx.filter_vmap(lambda k: eqx.nn.Linear(W, W, key=k))(keys))
+
+
+def _scanned(model, x):
+    dynamic, static = eqx.partition(model.layers, eqx.is_array)
+
+    def body(h, d):
+        return jnp.tanh(eqx.combine(d, static)(h)), None
+
+    return lax.scan(body, x, dynamic)[0]
+
+
+def _stack_by_hand(model, x, patch: dict):
+    for i in range(N):
+        layer = jax.tree.map(lambda a: a[i] if eqx.is_array(a) else a, model.layers)
+        h = layer(x)
+        x = jnp.tanh(patch[i](h) if i in patch else h)
+    return x
+
+
+def _steer(h):
+    return h + jnp.array([1.0, -1.0, 0.5, 0.0])
+
+
+def test_at_a_layer_of_a_scanned_stack():
+    model = _stack()
+    im = eqx_logs.instrument(model, stats=("rms",))
+    x = jnp.linspace(-1.0, 1.0, W)
+    v = jnp.full(W, 0.25)
+
+    def square(h):
+        return h * h
+
+    @eqx.filter_jit
+    def by_hand(model, x):  # (one program: the references)
+        def loss(x):
+            return jnp.sum(_stack_by_hand(model, x, {2: square}) ** 2)
+
+        ablated = [_stack_by_hand(model, x, {i: jnp.zeros_like}) for i in range(N)]
+        return (
+            _stack_by_hand(model, x, {2: _steer}),
+            _stack_by_hand(model, x, {1: _steer, 3: _steer}),
+            _stack_by_hand(model, x, {4: lambda h: v}),
+            jnp.stack(ablated),
+            jax.grad(loss)(x),
+        )
+
+    steered, twice, with_v, ablated, grad = by_hand(model, x)
+
+    def planted(value):
+        return eqx_logs.plant(_scanned, {"layers": value})
+
+    assert_close(planted(eqx_logs.at(2, _steer))(im, x), steered)
+    assert_close(jax.jit(planted(eqx_logs.at([1, 3], _steer)))(im, x), twice)
+    assert_close(planted(eqx_logs.at(4, v))(im, x), with_v)
+    # the index traced: a vmap over which layer to ablate
+    assert_close(
+        jax.jit(jax.vmap(lambda i: planted(eqx_logs.at(i, jnp.zeros_like))(im, x)))(jnp.arange(N)),
+        ablated,
+    )
+    # gradients through the patched layer only
+    g = jax.jit(jax.grad(lambda x: jnp.sum(planted(eqx_logs.at(2, square))(im, x) ** 2)))(x)
+    assert_close(g, grad)
+    # the statistics are of the planted value
+    _, logs = eqx_logs.spool(planted(eqx_logs.at(2, jnp.zeros_like)))(im, x)
+    assert logs["layers/rms"].shape == (N,)
+    assert_close(logs["layers/rms"][2], 0.0)
+    assert logs["layers/rms"][1] > 0.05 and logs["layers/rms"][3] > 0.05
+
+    with pytest.raises(ValueError, match=r"'layers' is sown 5 times .* names event 5"):
+        planted(eqx_logs.at(5, _steer))(im, x)
+
+
+def _branchy(x, p):
+    """Events of "h": 0 here, 1 in a cond's true branch only, then one per iteration of a
+    while loop (3): their indices after the cond depend on the branch taken."""
+    h = eqx_logs.sow("h", x)
+    h = lax.cond(p > 0, lambda h: eqx_logs.sow("h", 2 * h), lambda h: h - 1, h)
+
+    def body(c):
+        i, h = c
+        return i + 1, 0.5 * eqx_logs.sow("h", h + 1)
+
+    return lax.while_loop(lambda c: c[0] < 3, body, (0, h))[1]
+
+
+def _branchy_by_hand(x, p, index, fn):
+    """`_branchy` with the `index`-th event of "h" replaced by `fn` of it, counted by hand
+    (in numpy)."""
+    x = np.asarray(x, np.float64)
+    k = 0
+
+    def event(h):
+        nonlocal k
+        k += 1
+        return fn(h) if k - 1 == index else h
+
+    h = event(x)
+    h = event(2 * h) if p > 0 else h - 1
+    for _ in range(3):
+        h = 0.5 * event(h + 1)
+    return h
+
+
+def _cube(h):
+    return h**3 - 1
+
+
+def test_at_counts_events_in_conds_while_loops_and_vmaps():
+    x = jnp.array([0.5, -0.25])
+    run = jax.jit(lambda x, p, i: eqx_logs.plant(_branchy, {"h": eqx_logs.at(i, _cube)})(x, p))
+    for p in (1.0, -1.0):
+        for i in range(5):
+            want = _branchy_by_hand(x, p, i, _cube)
+            assert_close(run(x, jnp.float32(p), jnp.int32(i)), want, f"p={p} event {i}")
+
+    # per lane: a vmap outside whose lanes take different branches (so count differently)
+    ps = jnp.array([1.0, -1.0, 1.0, -1.0])
+    idx = jnp.array([1, 1, 3, 3])
+    xs = jnp.stack([x, 2 * x, -x, x + 1])
+    want = [_branchy_by_hand(a, float(p), int(i), _cube) for a, p, i in zip(xs, ps, idx)]
+    assert_close(jax.vmap(run)(xs, ps, idx), want)
+    # a vmap inside: each lane's events counted apart too
+    inside = eqx_logs.plant(jax.vmap(_branchy), {"h": eqx_logs.at(3, _cube)})
+    want = [_branchy_by_hand(a, float(p), 3, _cube) for a, p in zip(xs, ps)]
+    assert_close(inside(xs, ps), want)
+    # and derivatives through the cond that applies the function (forward mode: reverse mode
+    # does not go through a while loop), against central differences
+    jac = jax.jit(jax.jacfwd(lambda x: run(x, jnp.float32(1.0), jnp.int32(2))))(x)
+    eps = 1e-4
+    for j in range(2):
+        d = np.eye(2)[j] * eps
+        up = _branchy_by_hand(np.asarray(x) + d, 1.0, 2, _cube)
+        down = _branchy_by_hand(np.asarray(x) - d, 1.0, 2, _cube)
+        np.testing.assert_allclose(np.asarray(jac)[:, j], (up - down) / (2 * eps), rtol=1e-3)
+
+
+def _sown_in_shard_map_scan(x, spec):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
+
+    def body(x):
+        def step(c, _):
+            return 2 * eqx_logs.sow("h", c) + 1, None
+
+        return lax.scan(step, x, None, length=3)[0]
+
+    return jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)(x)
+
+
+def _shard_by_hand(x, patch: dict):
+    x = np.asarray(x, np.float64)
+    for i in range(3):
+        x = 2 * (patch[i](x) if i in patch else x) + 1
+    return x
+
+
+def test_at_inside_a_shard_map():
+    x = jnp.array([0.5])
+    every = dict.fromkeys(range(3), _cube)
+    varying = lambda x: _sown_in_shard_map_scan(x, P("dev"))  # noqa: E731
+    got = eqx_logs.plant(varying, {"h": eqx_logs.at(1, _cube)})(x)
+    assert_close(got, _shard_by_hand(x, {1: _cube}))
+    assert_close(eqx_logs.plant(varying, {"h": _cube})(x), _shard_by_hand(x, every))
+    # a value that does not vary over the mesh: a function of it is fine, an index is not
+    invariant = lambda x: _sown_in_shard_map_scan(x, P())  # noqa: E731
+    assert_close(eqx_logs.plant(invariant, {"h": _cube})(x), _shard_by_hand(x, every))
+    with pytest.raises(ValueError, match=r"'h' is sown inside a shard_map .* `eqx_logs.at` with"):
+        eqx_logs.plant(invariant, {"h": eqx_logs.at(1, _cube)})(x)
