@@ -93,7 +93,7 @@ def log(
                 f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
                 f"got {key!r} of type {type(key).__name__}."
             )
-        check_value(key, val, site)
+        check_value(key, val, site, empty=True)
         items[f"{prefix}/{key}" if prefix else key] = val
     step_vals = {name: check_step(name, s, site) for name, s in steps.items()}
     if not _compat.logging_enabled.value:
