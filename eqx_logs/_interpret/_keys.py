@@ -176,9 +176,8 @@ def events_per_log(infos: dict[str, KeyInfo], eqn: _compat.JaxprEqn, key: str) -
     nb = eqn.params["nbatch"]
     if not infos[key].lanes_as_events or not nb:
         return 1
-    treedef = eqn.params["treedef"]
-    first = jtu.tree_leaves(jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))[key])
-    return math.prod(eqn.invars[first[0]].aval.shape[:nb])
+    # every operand of a batched log has its batch axes (a key with no value has no leaf)
+    return math.prod(eqn.invars[0].aval.shape[:nb])
 
 
 def check_rule_dtypes(infos: dict[str, KeyInfo], closed: Any, name: str) -> None:
