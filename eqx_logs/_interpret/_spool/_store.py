@@ -266,13 +266,13 @@ class Store:
         as logged (`()`), and the rows of its steps, whose slots are those the value's would
         be (Stack, Window and Sample reduce steps as values)."""
         channels = self.channels[key]
-        finalized = {c: method(r, "finalize")(state[c]) for c, r in channels.items()}
-        if "value" not in channels:
-            finalized["value"] = jtu.tree_unflatten(self.info[key].treedef, [])
         slots = [c for c, r in channels.items() if r.event_axes]  # the value's first
         key_rows = None
         if self.reductions[key].event_axes and slots:
             key_rows = method(channels[slots[0]], "rows")(state[slots[0]])
+        finalized = {c: method(r, "finalize")(state[c]) for c, r in channels.items()}
+        if "value" not in channels:
+            finalized["value"] = jtu.tree_unflatten(self.info[key].treedef, [])
         return key_rows, finalized
 
 
