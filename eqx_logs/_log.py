@@ -39,7 +39,11 @@ def log(
     **Arguments:**
 
     - `data`: a dict from key (a string) to value (a pytree of arrays or Python numbers); or a
-        key, with the value as the second argument: `log("loss", loss)`.
+        key, with the value as the second argument: `log("loss", loss)`. A value with no
+        array, `()`, makes an event with no value, a count only: `log("tick", (), step=i)`;
+        a spool then gives `logs["tick"] == ()`, the events in `logs.count["tick"]` and their
+        steps in `logs.step["tick"]`. (`None` is an error: most often a value missing by
+        mistake.)
     - `tags`: strings that spool's and tap's `tags=`/`exclude=` filters select on.
     - `reduce`: the reduction for these keys, a name (`"mean"`) or a reduction; used unless a
         spool's Policy rule matches the key. Two sites naming different reductions for one key
@@ -93,7 +97,7 @@ def log(
                 f"eqx_logs.log at {site}: keys must be non-empty strings known when tracing, "
                 f"got {key!r} of type {type(key).__name__}."
             )
-        check_value(key, val, site)
+        check_value(key, val, site, empty=True)
         items[f"{prefix}/{key}" if prefix else key] = val
     step_vals = {name: check_step(name, s, site) for name, s in steps.items()}
     if not _compat.logging_enabled.value:

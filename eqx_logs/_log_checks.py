@@ -19,7 +19,10 @@ def _is_arraylike(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | np.generic | bool | int | float | complex)
 
 
-def check_value(key: str, value: Any, site: str) -> list[Any]:
+def check_value(key: str, value: Any, site: str, *, empty: bool = False) -> list[Any]:
+    """The leaves of `value`, logged under `key` at `site`, checked. `empty`: a value with no
+    leaves, such as `()` (an event with no value, `log("tick", ())`), is allowed; one holding
+    None never is (it is most often a value missing by mistake)."""
     try:
         leaves = jtu.tree_leaves(value)
     except (ValueError, TypeError, RecursionError, SystemError) as e:  # JAX's own pytree errors
@@ -28,9 +31,15 @@ def check_value(key: str, value: Any, site: str) -> list[Any]:
             f"({type(e).__name__}: {str(e)[:200]}): log a dict with keys of one type, nested "
             "at most a few hundred levels deep."
         ) from None
-    if not leaves:
+    if not leaves and (not empty or None in jtu.tree_leaves(value, is_leaf=_is_none)):
         raise ValueError(
-            f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r}."
+            f"eqx_logs.log: key {key!r} at {site} has no array in its value {value!r:.60}."
+            + (
+                f" To count events without a value, log an empty tuple: log({key!r}, ()), "
+                "with its steps if any (step=i)."
+                if empty
+                else ""
+            )
         )
     for leaf in leaves:
         if not _is_arraylike(leaf):
@@ -51,6 +60,10 @@ def check_value(key: str, value: Any, site: str) -> list[Any]:
             )
         _check_range(f"key {key!r}", leaf, site)
     return leaves
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _check_range(what: str, x: Any, site: str) -> None:

@@ -24,13 +24,17 @@ class LogDict(dict):
     - `logs.<step>[key]`: the step values recorded with `log(..., step=i)`, aligned with
       `logs[key]` (for example `logs.step["loss"]`, `logs.episode["loss"]`).
 
+    A key logged with no value (`log("tick", (), step=i)`) holds `()`: its count and steps
+    are all there is.
+
     A LogDict is a pytree, so it passes through `jax.jit` and `eqx.filter_jit` as an output.
     Its static part is its keys, step names and reductions, and the counts (and row counts)
     that `spool` knew when it traced the function (straight-line code and scans, not a
     `while_loop` or a `cond` that decides): those are numpy int32 arrays in its structure,
     not outputs of the compiled program (an output costs a buffer at every call). Under a
     `jax.vmap`, `lax.scan` or `lax.map` around the spool such a count gets the new leading
-    axes of its key's value (each lane's count is the same), as an output would.
+    axes of its key's value (each lane's count is the same), as an output would. (A key with
+    no value has no value to take them from: its count and rows are always outputs.)
     """
 
     __slots__ = (

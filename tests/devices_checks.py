@@ -302,6 +302,39 @@ def _():
     return got
 
 
+def ticking(x):
+    """`ragged` with an event of no value, "tick" (step=i), where "big" is logged, and "bare"
+    (no value, no step) at every step."""
+
+    def step(c, i):
+        c = c + 1.0
+        step = i.astype(jnp.int32)
+        jax.lax.cond(c.sum() > 2.5, lambda: eqx_logs.log("tick", (), step=step), lambda: None)
+        eqx_logs.log("bare", ())
+        return c, None
+
+    return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+
+@check("no_value")
+def _():
+    kept = ragged_sums() > 2.5  # (devices, steps)
+    steps = [np.nonzero(kept[d])[0] for d in range(4)]
+    _, logs = eqx_logs.spool(sm(ticking))(x8)
+    _, total = jax.jit(eqx_logs.spool(sm(ticking), across="d"))(x8)
+    all_steps = np.concatenate(steps)  # device by device
+    return {
+        "value": logs["tick"] == () and total["tick"] == (),
+        "counts": close(logs.count["tick"], kept.sum(1)),
+        "bare": close(logs.count["bare"], [3, 3, 3, 3]),
+        "steps": all(
+            close(np.asarray(logs.step["tick"])[: len(s), d], s) for d, s in enumerate(steps)
+        ),
+        "across": int(total.count["tick"]) == kept.sum() and int(total.count["bare"]) == 12,
+        "across_steps": close(np.asarray(total.step["tick"])[: len(all_steps)], all_steps),
+    }
+
+
 @check("explicit")
 def _():
     # `jax.make_mesh`'s default: Explicit axes, whose types name each value's sharding

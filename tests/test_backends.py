@@ -69,8 +69,9 @@ def program(xs, start, data_cond):
     """One epoch: a scan over `xs` (shape (T,)) at steps start, start+1, ... Per step t:
     "loss" (a scalar, NaN at step 5), "vec" (5 entries, a NaN when t % 3 == 1 and a -inf
     when t % 3 == 2), "dead" (2 entries, all NaN when t % 4 == 0), "tree" (a pytree with an
-    int leaf); "odd" = -x only at odd steps (a cond on the step), and with `data_cond` "pos" =
-    x only where x > 0 (a cond on the data, so batched under vmap)."""
+    int leaf); "odd" = -x only at odd steps (a cond on the step), "tick", an event with no
+    value, where t % 3 == 0 (written as the number of its events at the step: 1), and with
+    `data_cond` "pos" = x only where x > 0 (a cond on the data, so batched under vmap)."""
 
     def step(t, x):
         vec = jnp.stack(
@@ -92,6 +93,7 @@ def program(xs, start, data_cond):
             step=t,
         )
         lax.cond(t % 2 == 1, lambda: eqx_logs.log("odd", -x, step=t), lambda: None)
+        lax.cond(t % 3 == 0, lambda: eqx_logs.log("tick", (), step=t), lambda: None)
         if data_cond:
             lax.cond(x > 0, lambda: eqx_logs.log("pos", x, step=t), lambda: None)
         return t + 1, None
@@ -116,6 +118,8 @@ def reference(xs_run: np.ndarray, data_cond: bool) -> list[tuple[str, int, Any]]
         ]
         if t % 2 == 1:
             events.append(("odd", t, -x))
+        if t % 3 == 0:
+            events.append(("tick", t, np.int32(1)))
         if data_cond and x > 0:
             events.append(("pos", t, x))
     return events

@@ -57,6 +57,11 @@ def test_two_dimensional_mesh_and_partly_manual_shard_map(results):
     assert got["shape"] == [1, 2, 2]  # one axis per manual mesh axis, in mesh order
 
 
+def test_events_with_no_value_counted_per_device_and_across(results):
+    got = _ok(results, "no_value")
+    assert got == dict.fromkeys(got, True) and len(got) == 6, got
+
+
 def test_explicit_mesh_axes(results):
     # `jax.make_mesh` gives Explicit axes: the states entering the shard_map are laid out as
     # its specs say (they were replicated, which shard_map rejects)

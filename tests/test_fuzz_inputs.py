@@ -39,7 +39,7 @@ BAD_VALUES = st.one_of(
     st.none(),
     st.text(max_size=5),
     st.just(lambda: 1.0),
-    st.just({}),
+    st.just({"a": None}),  # (an empty container, `()` or `{}`, is an event with no value)
 )
 
 BAD_STEPS = st.one_of(

@@ -54,7 +54,8 @@ class Gated(JsonlLogger):
 
 
 def step(x, i):
-    """Several keys and dtypes, a vector, a non-finite value now and then."""
+    """Several keys and dtypes, a vector, a non-finite value now and then, and every third
+    step an event with no value (written as the number of its events, 1)."""
     loss = jnp.where(i % 97 == 5, jnp.nan, x * 0.5)
     eqx_logs.log(
         {
@@ -68,6 +69,7 @@ def step(x, i):
         },
         step=i,
     )
+    jax.lax.cond(i % 3 == 0, lambda: eqx_logs.log("tick", (), step=i), lambda: None)
     return x + 0.25
 
 
@@ -85,6 +87,8 @@ def reference(steps: int) -> list[dict]:
             "vec": [float(x), float(-x), float(x * x)],
         }
         rows += [{"run": 0, "key": k, "value": v, "step": i} for k, v in sorted(values.items())]
+        if i % 3 == 0:
+            rows.append({"run": 0, "key": "tick", "value": 1, "step": i})
         x = np.float32(x + np.float32(0.25))
     return rows
 

@@ -44,6 +44,9 @@ class KeyInfo:
     spec_mesh: Any = None  # the (abstract) mesh of `specs`: no mesh context is needed
     # The `vmap` axis names of the batch axes after the mesh axes (None where unnamed).
     lane_names: tuple[Any, ...] = ()
+    # The batch shape (`nbatch` axes): kept apart from `leaves`, which a key logged with no
+    # value (`log("tick", ())`, a count only) has none of.
+    batch: tuple[Any, ...] = ()
 
     def axis_names(self) -> tuple[Any, ...]:
         """A name per batch axis: the mesh axes, then the vmap axes (`across` merges these)."""
@@ -69,7 +72,7 @@ class KeyInfo:
         return jtu.tree_map(shard, state)
 
     def batch_shape(self) -> tuple[int, ...]:
-        return self.leaves[0].shape[: self.nbatch]
+        return self.batch
 
     def lane_struct(self) -> Any:
         """The structure of one event of one batch lane."""
@@ -173,9 +176,8 @@ def events_per_log(infos: dict[str, KeyInfo], eqn: _compat.JaxprEqn, key: str) -
     nb = eqn.params["nbatch"]
     if not infos[key].lanes_as_events or not nb:
         return 1
-    treedef = eqn.params["treedef"]
-    first = jtu.tree_leaves(jtu.tree_unflatten(treedef, list(range(treedef.num_leaves)))[key])
-    return math.prod(eqn.invars[first[0]].aval.shape[:nb])
+    # every operand of a batched log has its batch axes (a key with no value has no leaf)
+    return math.prod(eqn.invars[0].aval.shape[:nb])
 
 
 def check_rule_dtypes(infos: dict[str, KeyInfo], closed: Any, name: str) -> None:
@@ -220,9 +222,10 @@ class Site:
     spec_mesh: Any
     mesh: tuple[str, ...]
     devices: Any
+    lead: tuple[Any, ...]  # the batch shape: that of every operand of a batched log
 
     def batch(self) -> tuple[int, ...]:
-        return self.leaves[0].shape[: self.nbatch]
+        return self.lead
 
     def events(self) -> list[tuple[int, ...]]:
         """Each leaf's shape after the batch axes."""
@@ -245,6 +248,9 @@ def sites_of(
         name: jax.ShapeDtypeStruct(a.shape, a.dtype)
         for name, a in zip(params["steps"], avals[n_leaves : n_leaves + len(params["steps"])])
     }
+    nbatch = len(lead) + params["nbatch"]
+    # every operand of a log has its batch axes, those of a key without value leaves too
+    batch = avals[0].shape[:nbatch] if avals else lead
     out = {}
     for key, positions in jtu.tree_unflatten(treedef, list(range(n_leaves))).items():
         at, sub_def = jtu.tree_flatten(positions)
@@ -255,13 +261,14 @@ def sites_of(
             leaves=tuple(jax.ShapeDtypeStruct(avals[i].shape, avals[i].dtype) for i in at),
             weak=tuple(bool(getattr(avals[i], "weak_type", False)) for i in at),
             steps=steps,
-            nbatch=len(lead) + params["nbatch"],
+            nbatch=nbatch,
             names=params["axis_names"],
             reduce=params["reduce"],
             specs=specs,
             spec_mesh=next((avals[i].sharding.mesh for i, p in zip(at, specs) if p), None),
             mesh=mesh,
             devices=devices,
+            lead=batch,
         )
     return out
 
@@ -293,6 +300,7 @@ def merge(key: str, sites: Sequence[Site], across: tuple[Any, ...]) -> KeyInfo:
         devices=first.devices,
         spec_mesh=first.spec_mesh,
         lane_names=() if target is None else target.names,
+        batch=() if target is None else target.batch(),
     )
     shapes, _, _ = _laid_out(info, ref, target)
     info.leaves = [jax.ShapeDtypeStruct(sh, x.dtype) for sh, x in zip(shapes, ref.leaves)]
@@ -318,10 +326,11 @@ def check_late(key: str, info: KeyInfo, sites: Sequence[Site], site: Site, acros
     derivative rule, traced when JAX differentiates), against the key's record `info`, merged
     from `sites`: it must fit the layout as it is (it is never merged into it)."""
     later = merge(key, [*sites, site], across)
-    if (later.nbatch, later.lanes_as_events, later.leaves) != (
+    if (later.nbatch, later.lanes_as_events, later.leaves, later.batch) != (
         info.nbatch,
         info.lanes_as_events,
         info.leaves,
+        info.batch,
     ):
         raise ValueError(
             f"eqx_logs: key {key!r} is logged at {site.site} with events of "

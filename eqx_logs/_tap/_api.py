@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal, TypeVar, Unpack
 
 import equinox as eqx
+import jax
 import numpy as np
 
 from .. import _compat
@@ -38,13 +39,16 @@ class CallbackFailedWarning(UserWarning):
 
 
 def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
-    """The default tap callback: one line per event, `key=value ... step=...`."""
+    """The default tap callback: one line per event, `key=value ... step=...` (a key logged
+    with no value, `()`, as `key` alone)."""
 
-    def fmt(x):
+    def fmt(k, x):
+        if not jax.tree.leaves(x):
+            return k
         a = np.asarray(x)
-        return np.array2string(a, precision=4) if a.ndim else f"{a.item():.6g}"
+        return f"{k}={np.array2string(a, precision=4) if a.ndim else f'{a.item():.6g}'}"
 
-    parts = [f"{k}={fmt(v)}" for k, v in logs.items()] + [f"{k}={v}" for k, v in steps.items()]
+    parts = [fmt(k, v) for k, v in logs.items()] + [f"{k}={v}" for k, v in steps.items()]
     print("  ".join(parts), flush=True)
 
 

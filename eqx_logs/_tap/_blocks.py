@@ -32,7 +32,8 @@ class Blocks:
     """The blocks of one tap's groups. `sink(context, logs, steps)` receives each block: `logs`
     maps each key (with the policy's prefix) to its values, `steps` each step to its values,
     all with a leading axis of events (and `steps["valid"]`, the lanes where each batched
-    event happened)."""
+    event happened). A block with no array at all (keys logged with no value, `()`, and no
+    step) is received event by event."""
 
     def __init__(self, size: int, sink: Callable, context: Any, every_process: bool):
         self.size, self.sink, self.context = size, sink, context
@@ -189,7 +190,14 @@ class Blocks:
             if rows["valid"] is not None:
                 steps["valid"] = valid = np.asarray(rows["valid"])[:n]
                 values = hide_lanes(values, valid)
-            sink(context, {prefix + k: v for k, v in values.items()}, steps)
+            logs = {prefix + k: v for k, v in values.items()}
+            if jtu.tree_leaves((values, steps)):
+                sink(context, logs, steps)
+                return
+            # keys with no value and no step (`log("tick", ())`): no axis could say how many
+            # events there are, so each goes on its own, as without `buffer`
+            for _ in range(n):
+                sink(context, logs, steps)
 
         _compat.host_callback(host, self.context, rows, meta, every_process=self.every_process)
 

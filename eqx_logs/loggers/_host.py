@@ -76,7 +76,10 @@ def key_records(
     """The records of one key with events (see `records`): `rows`, None for a key without an
     event axis; `stack`, whether it is a Stack's."""
     leaves = jax.tree.leaves(value)
-    if rows is None or not leaves:
+    if not leaves:  # logged with no value (`log("tick", ())`): counted
+        yield from _count_records(key, count, rows, steps, stack, warn)
+        return
+    if rows is None:
         yield {"key": key, "value": value, "count": count, **steps}
         return
     # an event axis: a record per real event or window
@@ -90,6 +93,45 @@ def key_records(
             n: s[i] if np.ndim(s) and np.shape(s)[0] == length else s for n, s in steps.items()
         }
         yield {"key": key, "value": row, **row_steps}
+
+
+def _count_records(
+    key: str,
+    count: np.ndarray,
+    rows: Any,
+    steps: dict[str, Any],
+    stack: bool,
+    warn: Callable[[str, type[Warning]], None],
+) -> Iterator[Record]:
+    """The records of a key logged with no value: the value of each is the number of events it
+    stands for. A Stack's events (a row of steps each) give a record per run of consecutive
+    events at the same steps (one per event where each has a step of its own); other
+    reductions, one record of all the key's events, with the steps of its last row."""
+    if rows is None or not steps:
+        yield {"key": key, "value": count, "count": count, **steps}
+        return
+    n = int(np.max(rows))
+    if not stack:
+        last = {name: s[n - 1] for name, s in steps.items()}
+        yield {"key": key, "value": count, "count": count, **last}
+        return
+    if np.any(count > rows):
+        warn(overflow_message(key, count, rows), UserWarning)
+    lanes = tuple(range(1, 1 + np.ndim(rows)))  # (a vmap inside the spool: rows per lane)
+    start = 0
+    for i in range(1, n + 1):
+        if i < n and all(np.array_equal(s[i], s[start]) for s in steps.values()):
+            continue
+        real = np.expand_dims(np.arange(start, i), lanes) < rows  # per lane
+        events = np.sum(real, axis=0, dtype=np.int32)
+        yield {"key": key, "value": events, **{name: s[start] for name, s in steps.items()}}
+        start = i
+
+
+def event_value(value: Any) -> Any:
+    """A tapped event's value as a logger writes it: a value with no array (`log("tick",
+    ())`) as the number of events it stands for, 1 (see `_count_records`)."""
+    return value if jax.tree.leaves(value) else np.int32(1)
 
 
 def overflow_message(key: str, count: Any, rows: Any) -> str:

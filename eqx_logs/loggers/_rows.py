@@ -42,6 +42,8 @@ class RowPlan:
 
 def _scalar_rows(key: tuple[Any, ...]) -> tuple[Any, ...] | None:
     _, value, count, rows, steps, _ = key
+    if value is None:  # a key with no value: `key_records`
+        return None
     length = value[2][:1]
     if rows is None or count[2] or rows[2] or len(value[2]) != 1:
         return None
@@ -85,14 +87,16 @@ def _row_plan(layout: Layout) -> RowPlan | None:
     steps = index.steps
     keys = []
     for key, value in dict.items(index):
-        parts = [value, *(x for x in (index.count[key], index.rows.get(key)) if isinstance(x, int))]
+        empty = not jax.tree.leaves(value)  # logged with no value (`()`): a count and steps
+        parts = [] if empty else [value]
+        parts += [x for x in (index.count[key], index.rows.get(key)) if isinstance(x, int)]
         parts += [at for per_key in steps.values() if (at := per_key.get(key)) is not None]
-        if not isinstance(value, int) or any(places[i][0] < 0 for i in parts):
+        if not (empty or isinstance(value, int)) or any(places[i][0] < 0 for i in parts):
             return None
         keys.append(
             (
                 key,
-                places[value],
+                None if empty else places[value],
                 place(index.count[key]),
                 place(index.rows.get(key)),
                 tuple((n, places[per_key[key]]) for n, per_key in steps.items() if key in per_key),
@@ -144,7 +148,7 @@ class HostRows:
             count = _cut(buffers, count_at)
             if not count.any():  # no event: no record
                 continue
-            value = _cut(buffers, value_at)
+            value = () if value_at is None else _cut(buffers, value_at)
             steps = {name: _cut(buffers, at) for name, at in steps_at}
             rows = None if rows_at is None else _cut(buffers, rows_at)
             out += key_records(key, value, count, rows, steps, stack, warn)

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from .._logdict import LogDict
-from ._host import Record, flat_items, host_array, records, to_host
+from ._host import Record, event_value, flat_items, host_array, records, to_host
 from ._packed import Layout, Packed, stand_in
 from ._prepared import Many
 from ._rows import HostRows
@@ -121,7 +121,8 @@ class AbstractSink(abc.ABC):
     ) -> None:
         """`tap_host` for a block of events (`logger.tap(..., buffer=k)`): every value and step
         has a leading axis of events; the block is submitted as one write, event by event."""
-        n = len(jax.tree.leaves(logs)[0])
+        leaves = jax.tree.leaves((logs, steps))
+        n = len(leaves[0]) if leaves else 1  # (keys with no value, no step: one event)
         rows = []
         for i in range(n):
             at_i = jax.tree.map(lambda x, i=i: x[i], (logs, steps))
@@ -132,7 +133,7 @@ class AbstractSink(abc.ABC):
 
 def _event_rows(logs: dict[str, Any], steps: dict[str, Any]) -> list[dict[str, Any]]:
     """The rows of one tapped event: one per key, with the event's steps."""
-    return [{"key": key, "value": value, **steps} for key, value in logs.items()]
+    return [{"key": key, "value": event_value(value), **steps} for key, value in logs.items()]
 
 
 class Sink(AbstractSink):

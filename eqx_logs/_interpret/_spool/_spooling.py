@@ -106,7 +106,8 @@ class Spool(Handler):
         if by_lane:
             keys = [k for k in keys if k not in by_lane]
             leaves = force(invals[:n_leaves])
-            self._lane_events(by_lane, items, leaves, steps, mask, params["nbatch"], states)
+            batch = eqn.invars[0].aval.shape[: params["nbatch"]]  # (every operand's)
+            self._lane_events(by_lane, items, leaves, steps, mask, batch, states)
         valid = {}
         for key in keys:
             states[key], valid[key] = store.gate(key, states[key], steps, mask)
@@ -130,12 +131,12 @@ class Spool(Handler):
             sub = store.settle(states, keys)
             states.update(_branching.skippable(kept, folded, lambda s: s, sub))
 
-    def _lane_events(self, keys, items, leaves, steps, mask, nbatch, states) -> None:
-        """Each lane of a batched event as an event of its own (`KeyInfo.lanes_as_events`)."""
+    def _lane_events(self, keys, items, leaves, steps, mask, batch, states) -> None:
+        """Each lane of a batched event, of `batch` lanes, as an event of its own
+        (`KeyInfo.lanes_as_events`)."""
         store = self.store
         for key in keys:
             value = jtu.tree_map(lambda i: leaves[i], items[key])
-            batch = jnp.shape(jtu.tree_leaves(value)[0])[:nbatch]
             lane_mask = True if mask is True else _lanes.fit(mask, batch)
             for idx in np.ndindex(*batch):
                 lane_steps = {
@@ -184,18 +185,27 @@ class Spool(Handler):
                 reduction = store.reductions[key]
                 count[name] = group[key]["count"]
                 names[name] = type(reduction).__name__
-                if reduction.event_axes:
+                if key_rows is not None:
                     rows[name] = key_rows
                 for channel, out in finals.items():
-                    out = method(store.channels[key][channel], "place_batch_axes")(out, len(batch))
+                    if channel in store.channels[key]:  # (not a value never logged)
+                        place = method(store.channels[key][channel], "place_batch_axes")
+                        out = place(out, len(batch))
                     if channel == "value":
                         values[name] = out
                     else:
                         steps.setdefault(channel.removeprefix("step:"), {})[name] = out
         logs = LogDict(values, count=count, steps=steps, reductions=names, rows=rows)
-        # what is known now is static: not an output (`LogDict`)
+        # what is known now is static: not an output (`LogDict`); but for a key with no value,
+        # whose count a vmap around the spool could not give its lanes (`_parts`)
         parts = {"count": count, "rows": rows}
-        logs._known = {(p, k): None for p, xs in parts.items() for k, x in xs.items() if _known(x)}
+        valued = {policy.prefix + k for k in states if store.info[k].leaves}
+        logs._known = {
+            (p, k): None
+            for p, xs in parts.items()
+            for k, x in xs.items()
+            if _known(x) and k in valued
+        }
         if first is not None:
             logs._nonfinite = (self.first.finish(first["value"]), self.first.tables())
         return outs, logs

@@ -1,7 +1,9 @@
 """The store: each key's state, one reduction state per channel (its value, and each step).
 
 A key's state is a dict: `"count"` (its kept events, per batch lane), `"seen"` (with
-`interval=k`: its events, kept or not), and per channel the reduction's state. `init` makes it
+`interval=k`: its events, kept or not), and per channel the reduction's state. A key logged
+with no value (`log("tick", (), step=i)`: a count only) has no value channel: its count, and
+its steps' channels if it has steps. `init` makes it
 (`Pending` until the first events, so that straight-line events are folded in at once), `gate`
 decides whether an event is kept and counts it, `fold` folds it in, `settle` makes the states
 arrays to pass through a function JAX traces (a loop body, a branch), `finish` finalizes them.
@@ -68,10 +70,8 @@ class Store:
             if not isinstance(reduction, str):  # "drop"
                 self.reductions[key] = reduction
                 step = method(reduction, "step_reduction")()
-                self.channels[key] = {
-                    "value": reduction,
-                    **{f"step:{n}": step for n in info.steps},
-                }
+                value = {"value": reduction} if info.leaves else {}  # (none: a count only)
+                self.channels[key] = value | {f"step:{n}": step for n in info.steps}
         self.per_call = counts
         return {key: self.init(key, counts[key]) for key in self.reductions}
 
@@ -222,10 +222,17 @@ class Store:
                 f"{site_list(info.sites)}; a `lax.fori_loop` whose bounds are traced is one, "
                 "as are Equinox's and diffrax's loops), so its number of events has no static "
                 "bound and "
-                f"{type(reduction).__name__} cannot allocate its buffer without one. Pass a "
-                "capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' or 'last'), "
-                "or use a reduction of fixed size (mean, last, ...), or `lax.scan`/"
-                "`lax.fori_loop` with static bounds."
+                f"{type(reduction).__name__} cannot allocate its buffer without one"
+                + (
+                    f" (the key has no value: the buffer keeps its step "
+                    f"{channel.removeprefix('step:')!r}; log it without steps to count its "
+                    "events only)"
+                    if not info.leaves
+                    else ""
+                )
+                + ". Pass a capacity, e.g. `reduce=eqx_logs.Stack(capacity=N)` (keep='first' "
+                "or 'last'), or use a reduction of fixed size (mean, last, ...), or "
+                "`lax.scan`/`lax.fori_loop` with static bounds."
             ) from None
         return info.shard_like_values(state) if channel == "value" else state
 
@@ -254,14 +261,18 @@ class Store:
         )
 
     def finish(self, key: str, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        """One lane of `key`'s outputs: its rows (for an output with an event axis), and its
-        finalized channels."""
-        reduction = self.reductions[key]
-        key_rows = method(reduction, "rows")(state["value"]) if reduction.event_axes else None
-        finalized = {
-            channel: method(r, "finalize")(state[channel])
-            for channel, r in self.channels[key].items()
-        }
+        """One lane of `key`'s outputs: its rows (for an output with an event axis; None if
+        it has none), and its finalized channels. A key with no value channel gets its value
+        as logged (`()`), and the rows of its steps, whose slots are those the value's would
+        be (Stack, Window and Sample reduce steps as values)."""
+        channels = self.channels[key]
+        slots = [c for c, r in channels.items() if r.event_axes]  # the value's first
+        key_rows = None
+        if self.reductions[key].event_axes and slots:
+            key_rows = method(channels[slots[0]], "rows")(state[slots[0]])
+        finalized = {c: method(r, "finalize")(state[c]) for c, r in channels.items()}
+        if "value" not in channels:
+            finalized["value"] = jtu.tree_unflatten(self.info[key].treedef, [])
         return key_rows, finalized
 
 

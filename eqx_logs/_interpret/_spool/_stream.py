@@ -78,7 +78,11 @@ def streamed(
     return {
         k: n
         for k, n in per_iteration.items()
-        if n and k not in excluded and all(_streams(r) for r in store.channels[k].values())
+        # (a key with no channel, a count without steps, has nothing to stream)
+        if n
+        and k not in excluded
+        and store.channels[k]
+        and all(_streams(r) for r in store.channels[k].values())
     }
 
 
@@ -151,7 +155,7 @@ def add_stream(
         state[channel] = vmap_n(extend, nbatch)(old, block)
     if n is not None:
         state["count"] = plus(state["count"], n)
-    if isinstance(state["value"], dict) and "buffer" in state["value"]:
+    if isinstance(state.get("value"), dict) and "buffer" in state["value"]:
         state["value"] = store.info[key].shard_like_values(state["value"])
     return state
 
