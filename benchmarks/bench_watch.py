@@ -5,7 +5,9 @@
   `where=` keeping the solver's state `y` alone; `watch="tanh"` (the vector field's
   activation, at every evaluation).
 - The 4-layer transformer training step of `bench_instrument.py` (adam):
-  `watch="dot_general"` (every matmul's output, forward and backward, as statistics).
+  `watch="dot_general"` (every matmul's output, forward and backward, as statistics), and
+  `first_nonfinite="any"` (every operation that can make a NaN or an infinity checked; target
+  1.3x).
 
 Each variant is checked first: its number of events is the number of iterations (or calls)
 it watches. Measured side by side in one run (variants interleaved, median of per-round
@@ -30,6 +32,7 @@ import bench_instrument  # noqa: E402
 
 import eqx_logs  # noqa: E402
 
+ANY_TARGET = 1.3  # first_nonfinite="any" on the transformer step
 Y = "watch/while[0]/carry/*"  # diffrax's step loop: its carry (the state among it)
 
 
@@ -66,7 +69,8 @@ def _transformer():
     watched = eqx.filter_jit(
         eqx_logs.spool(bench_instrument.step_body, watch="dot_general", reduce="mean")
     )
-    return model, opt_state, x, y, watched
+    checked = eqx.filter_jit(eqx_logs.spool(bench_instrument.step_body, first_nonfinite="any"))
+    return model, opt_state, x, y, watched, checked
 
 
 def main() -> int:
@@ -81,9 +85,15 @@ def main() -> int:
     every = _ode("while")
     state = _ode(eqx_logs.Watch("while", where=Y))
     tanh = _ode("tanh")
-    model, opt_state, x, y, watched_step = _transformer()
+    model, opt_state, x, y, watched_step, checked_step = _transformer()
     _, logs = watched_step(model, opt_state, x, y)
     print(f"transformer step: {len(logs)} keys of dot_general statistics")
+    _, logs = checked_step(model, opt_state, x, y)
+    checks = int(logs.count["first_nonfinite/checked"])
+    if logs.first_nonfinite is not None:
+        print(f"ERROR: a finite step reports {logs.first_nonfinite}")
+        return 1
+    print(f"transformer step, first_nonfinite='any': {checks} operations checked, all finite")
     times = bench_core.interleaved(
         {
             "plain": lambda: jax.block_until_ready(plain(k)),
@@ -96,6 +106,7 @@ def main() -> int:
             "step, dot_general": lambda: jax.block_until_ready(
                 watched_step(model, opt_state, x, y)
             ),
+            "step, any": lambda: jax.block_until_ready(checked_step(model, opt_state, x, y)),
         },
         repeats,
     )
@@ -105,10 +116,13 @@ def main() -> int:
         ("while, y", "plain", "diffrax, watch='while', where= the step loop"),
         ("tanh", "plain", "diffrax, watch='tanh' (every evaluation)"),
         ("step, dot_general", "step", "transformer step, watch='dot_general'"),
+        ("step, any", "step", "transformer step, first_nonfinite='any'"),
     ):
         ratio = bench_core.paired_ratio(times[name], times[base])
         median = bench_core.fmt_time(float(np.median(times[name])))
-        summary.add(f"{what} ({median})", f"{ratio:.3f}x", "-", None)
+        target = ANY_TARGET if name == "step, any" else None
+        ok = None if target is None else ratio <= target
+        summary.add(f"{what} ({median})", f"{ratio:.3f}x", f"<= {target}" if target else "-", ok)
     summary.print()
     return 0
 
