@@ -431,3 +431,36 @@ def test_any_operation_backward_and_inputs_and_lanes():
     assert [r and r.iterations for r in batched.first_nonfinite] == [(3,), (1,), None]
     with pytest.raises(TypeError, match=r'first_nonfinite=.anything.*"any"'):
         el.Policy(first_nonfinite="anything")
+
+
+def test_any_operation_in_a_diffrax_solve_that_blows_up():
+    """y' = y**2 by Euler's method overflows; the report names the vector field's square, at
+    the step where numpy's Euler iteration first squares a value past float32's range."""
+    import diffrax
+
+    dt = 0.05
+
+    def solve(y0):
+        term = diffrax.ODETerm(lambda t, y, args: y**2)  # THE SQUARE
+        return diffrax.diffeqsolve(
+            term, diffrax.Euler(), 0.0, 3.0, dt, y0, adjoint=diffrax.ForwardMode(), max_steps=80
+        ).ys
+
+    def np_first(y0: float) -> int:
+        y = np.float32(y0)
+        with np.errstate(over="ignore"):
+            for n in range(80):
+                if not np.isfinite(y * y):
+                    return n
+                y = y + np.float32(dt) * (y * y)
+        raise AssertionError("no overflow")
+
+    spooled = jax.jit(el.spool(solve, first_nonfinite="any"))
+    _, logs = spooled(jnp.float32(1.0))
+    report = logs.first_nonfinite
+    assert report.operation.startswith("integer_pow at while[0]/") and not report.backward
+    assert report.iterations == (np_first(1.0),)
+    assert f"test_watch.py:{_line_of(solve, 'THE SQUARE')} (" in report.site
+    # each lane its own run
+    _, batched = jax.vmap(spooled)(jnp.array([1.0, 0.5]))
+    assert [r.iterations for r in batched.first_nonfinite] == [(np_first(1.0),), (np_first(0.5),)]
