@@ -228,6 +228,8 @@ def policy(
         ):
             raise bad(name, value, "must be a list of strings")
         values[name] = value if value is None and name == "tags" else tuple(value or ())
+    if not (isinstance(values["first_nonfinite"], bool) or values["first_nonfinite"] == "any"):
+        raise bad("first_nonfinite", values["first_nonfinite"], 'must be true, false or "any"')
     try:
         values["watch"] = as_watch(values["watch"], "eqx_logs.config.policy")
     except (TypeError, ValueError) as e:

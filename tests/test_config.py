@@ -511,8 +511,10 @@ def test_first_nonfinite_is_a_logging_key():
     assert compose_policy().first_nonfinite is False
     assert compose_policy("logging.first_nonfinite=true").first_nonfinite is True
     assert compose_policy("logging=train", "logging.first_nonfinite=true").first_nonfinite is True
-    with pytest.raises(ConfigCompositionException):
-        compose_cfg("logging.first_nonfinite=abc")
+    assert compose_policy("logging.first_nonfinite=any").first_nonfinite == "any"
+    with pytest.raises(InstantiationException) as info:
+        compose_policy("logging.first_nonfinite=abc")
+    assert "logging.first_nonfinite='abc'" in str(info.value.__cause__)
 
 
 def compose_instrumentation(*overrides: str) -> Instrumentation:

@@ -79,7 +79,7 @@ def test_lanes_as_events_decided_from_all_sites(first):
 def _sites(f, *args) -> dict[str, list[_keys.Site]]:
     with logging_as(""):  # (logs are bound only where a spool or tap traces)
         closed = jax.make_jaxpr(f)(*args)
-    plan = Plan(Policy(), RULES, lambda key, r: None, ManualAxes(), "test")
+    plan = Plan(Policy(), RULES, lambda key, r: None, lambda tags: True, ManualAxes(), "test")
     plan.count(closed)
     return plan.sites
 
