@@ -52,10 +52,6 @@ def _sentinel(v: Any) -> bool:
     return value.dtype.kind in "fc" and not np.all(np.isfinite(value))
 
 
-def _is_var(v: Any) -> bool:
-    return not isinstance(v, _compat.Literal)
-
-
 def _widens(eqn: _compat.JaxprEqn) -> bool:
     """A conversion to a float type at least as wide (which cannot overflow)."""
     if eqn.primitive.name != "convert_element_type":
@@ -72,16 +68,6 @@ class _AnyNonfinite(Watcher):
     def __init__(self):
         super().__init__(Watch("*", stats=None, backward=True))
         self.pending: list[tuple[Any, str, str, bool]] = []  # (finite, site, operation, back)
-        self.sentinels: set[Any] = set()  # variables computed from a non-finite constant
-
-    def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
-        # A value computed from a non-finite constant is a sentinel the program means to
-        # make (diffrax fills the rows of its outputs that no step reaches with `inf`): its
-        # check would report what the code intends. (Inside a loop or branch that takes it
-        # in, it is checked again: only the same jaxpr's variables are followed.)
-        if any(_sentinel(v) or _is_var(v) and v in self.sentinels for v in eqn.invars):
-            self.sentinels.update(v for v in eqn.outvars if not isinstance(v, _compat.DropVar))
-        return super().equation(eqn, invals, path, outer, counters)
 
     def watches(self, eqn: _compat.JaxprEqn) -> bool:
         name = eqn.primitive.name
@@ -97,7 +83,11 @@ class _AnyNonfinite(Watcher):
         return eqn.primitive.name != _compat.SHARD_MAP and super().descends(eqn)
 
     def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
-        if jnp.issubdtype(x.dtype, jnp.inexact) and not self.sentinels.issuperset(eqn.outvars):
+        # An operation on a NaN or infinity written in the program makes a sentinel the code
+        # means to make (diffrax fills the rows of its outputs that no step reaches with
+        # `x * inf`): its check would report what the code intends. (What is computed from
+        # that value later is checked: a `jnp.take_along_axis` selects its NaN fill away.)
+        if jnp.issubdtype(x.dtype, jnp.inexact) and not any(map(_sentinel, eqn.invars)):
             address = key.split("watch/", 1)[-1]
             self.gather(
                 x, site, f"{eqn.primitive.name} at {address}", _compat.in_backward_pass(eqn)
