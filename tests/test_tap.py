@@ -128,6 +128,19 @@ def test_tags_exclude_prefix_and_default_callback(capsys):
     assert "run/a=1.5" in out and "b=" not in out
 
 
+def test_the_default_callback_prints_each_leaf_of_a_pytree_value(capsys):
+    """(It raised on a dict value: `TypeError: unsupported format string passed to dict`.)"""
+
+    def f(x):
+        el.log("d", {"a": x, "b": [2 * x, x[0]]}, step=4)
+        return x
+
+    el.tap(f)(jnp.arange(3.0))
+    jax.effects_barrier()
+    want = "d['a']=[0. 1. 2.]  d['b'][0]=[0. 2. 4.]  d['b'][1]=0  step=4"
+    assert capsys.readouterr().out.splitlines() == [want]
+
+
 def test_tap_then_spool_of_one_function():
     rec = Recorder()
     f = jax.jit(_program)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar, Literal, TypeVar, Unpack
 
 import equinox as eqx
-import jax
+import jax.tree_util as jtu
 import numpy as np
 
 from .. import _compat
@@ -43,12 +43,17 @@ def print_callback(logs: dict[str, Any], steps: dict[str, Any]) -> None:
     with no value, `()`, as `key` alone)."""
 
     def fmt(k, x):
-        if not jax.tree.leaves(x):
-            return k
         a = np.asarray(x)
         return f"{k}={np.array2string(a, precision=4) if a.ndim else f'{a.item():.6g}'}"
 
-    parts = [fmt(k, v) for k, v in logs.items()] + [f"{k}={v}" for k, v in steps.items()]
+    def items(k, value):  # a pytree value: a part per leaf, `key['a']=...`
+        leaves = jtu.tree_flatten_with_path(value)[0]
+        if not leaves:
+            return [k]
+        return [fmt(f"{k}{jtu.keystr(tuple(path))}", x) for path, x in leaves]
+
+    parts = [p for k, v in logs.items() for p in items(k, v)]
+    parts += [f"{k}={v}" for k, v in steps.items()]
     print("  ".join(parts), flush=True)
 
 
