@@ -4,8 +4,6 @@ logger applies the same rewrite to the function it wraps)."""
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-import equinox as eqx
-
 from .. import _compat
 from .._spool import trace_filtered
 from .._stats import DEFAULT_STATS
@@ -32,19 +30,10 @@ class _Watched(AbstractWrapper):
         return carrying(self, "eqx_logs.watch", _Watched._run, args, kwargs)
 
     def _run(self, args: tuple, kwargs: dict) -> Any:
-        if _compat.is_traced((args, kwargs)):
-            return _watch_run(self.fun, self.spec, args, kwargs)
-        return _watch_call(self.fun, self.spec, args, kwargs)
-
-
-@eqx.filter_jit
-def _watch_call(fun, spec, args, kwargs):
-    return _watch_run(fun, spec, args, kwargs)
-
-
-def _watch_run(fun: Callable, spec: Watch, args: Any, kwargs: Any) -> Any:
-    closed, flat, rebuild = trace_filtered(fun, args, kwargs)
-    return rebuild(run_watched(closed, flat, spec, "eqx_logs.watch"))
+        if not _compat.logging_enabled.value:  # no spool or tap traces: nothing to log
+            return self.fun(*args, **kwargs)
+        closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
+        return rebuild(run_watched(closed, flat, self.spec, "eqx_logs.watch"))
 
 
 def watch(

@@ -1,5 +1,6 @@
 """`Watch`: what `watch` (and the `watch=` option) logs of code the user did not write."""
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -16,6 +17,7 @@ CHECKED = "first_nonfinite/checked"
 OPERATION = "operation"
 
 
+@functools.cache
 def _pattern(where: str) -> "re.Pattern[str]":
     """A key pattern as `instrument(where=...)` reads one: `*` any characters, `?` one,
     everything else itself (brackets included: addresses read `while[0]`)."""
