@@ -93,7 +93,7 @@ def main() -> int:
     if logs.first_nonfinite is not None:
         print(f"ERROR: a finite step reports {logs.first_nonfinite}")
         return 1
-    print(f"transformer step, first_nonfinite='any': {checks} operations checked, all finite")
+    print(f"transformer step, first_nonfinite='any': {checks} events (runs of checks), all finite")
     times = bench_core.interleaved(
         {
             "plain": lambda: jax.block_until_ready(plain(k)),

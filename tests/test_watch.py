@@ -464,3 +464,64 @@ def test_any_operation_in_a_diffrax_solve_that_blows_up():
     # each lane its own run
     _, batched = jax.vmap(spooled)(jnp.array([1.0, 0.5]))
     assert [r.iterations for r in batched.first_nonfinite] == [(np_first(1.0),), (np_first(0.5),)]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32", "float64", "complex64"])
+def test_any_operation_finds_one_element_the_program_masks_away(dtype):
+    """One element of a large product overflows and the program drops it with a `where`: the
+    search still names the product, at each floating dtype, under strict promotion. Where the
+    bad element is, is computed in numpy."""
+    n = 1 << 12  # (the sum of n ones is finite in float16)
+    big = float(jnp.finfo(dtype).max)
+
+    def f(x, s):
+        y = x * s  # THE PRODUCT
+        return jnp.sum(jnp.where(jnp.isfinite(y), y, jnp.zeros((), y.dtype)))
+
+    x = np.ones(n)
+    x[n // 3] = big
+    with np.errstate(all="ignore"):
+        y = x.astype(jnp.dtype(dtype)) * np.asarray(4, jnp.dtype(dtype))
+    assert np.flatnonzero(~np.isfinite(y)).tolist() == [n // 3]
+    with jax.numpy_dtype_promotion("strict"), jax.enable_x64(dtype == "float64"):
+        spooled = jax.jit(el.spool(f, first_nonfinite="any"))
+        x, four = jnp.asarray(x, dtype), jnp.asarray(4, dtype)
+        _, logs = spooled(x, four)
+        assert logs.first_nonfinite.operation.startswith("mul at ")
+        assert f"test_watch.py:{_line_of(f, 'THE PRODUCT')} (" in logs.first_nonfinite.site
+        _, fine = spooled(jnp.ones(n, dtype), four)
+        assert fine.first_nonfinite is None
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_any_operation_scaling_by_a_literal(dtype):
+    """Scaling by a literal of at most 1, or adding one, is not checked (it cannot overflow:
+    numpy agrees at the dtype's largest value); scaling by 3 can, and is named."""
+    top = jnp.finfo(dtype).max
+    with np.errstate(over="ignore"):
+        assert np.isfinite(np.array([top * 0.5, top / 2, top + 1, top - 1], dtype)).all()
+        assert not np.isfinite(np.array(top, dtype) * np.array(3, dtype))
+
+    def f(x):
+        shrunk = 0.5 * x + 1.0 - x / 2.0 + (x - 1.0)
+        return shrunk * 3.0  # THE TRIPLING
+
+    with jax.numpy_dtype_promotion("strict"):
+        spooled = jax.jit(el.spool(f, first_nonfinite="any"))
+        _, logs = spooled(jnp.full(4, top, dtype))
+        report = logs.first_nonfinite
+        assert report.operation.startswith("mul at ")
+        assert f"test_watch.py:{_line_of(f, 'THE TRIPLING')} (" in report.site
+        _, fine = spooled(jnp.full(4, 2.0, dtype))
+        assert fine.first_nonfinite is None
+
+
+def test_any_operation_with_empty_and_scalar_outputs():
+    def f(x, empty):
+        return jnp.sum(jnp.exp(empty)) + jnp.exp(x) * 2.0  # THE EXP
+
+    spooled = el.spool(f, first_nonfinite="any")
+    _, logs = spooled(jnp.float32(1.0), jnp.zeros((0, 3)))
+    assert logs.first_nonfinite is None
+    _, logs = spooled(jnp.float32(100.0), jnp.zeros((0, 3)))  # exp(100) overflows float32
+    assert logs.first_nonfinite.operation.startswith("exp at ")
