@@ -227,6 +227,49 @@ def test_the_scope_around_the_call_and_the_policy_option():
     np.testing.assert_allclose(logs["watch/while[0]/carry/1"], np_newton(10.0)[-1], rtol=1e-6)
 
 
+def test_a_loggers_forms_write_the_watched_carries(tmp_path):
+    """`logger.jit(step="i", interval=2)`: the carries of the kept calls, each at its call's
+    step (watched inside the step's scope: no warning, the calls between intervals run
+    without logs); `logger.tap` and `logger.spool` write the same values. Read back with the
+    backend's reader, against numpy."""
+    from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+    spec = el.Watch("while", where="*/carry/1")
+
+    def step(a, i):
+        return newton_sqrt(a)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with JsonlLogger(tmp_path / "jit.jsonl") as logger:
+            jitted = logger.jit(step, logger.init(), watch=spec, reduce=STACK, interval=2, step="i")
+            for i in range(5):
+                jitted(jnp.float32(2 + i), i)
+        with JsonlLogger(tmp_path / "tap.jsonl") as logger:
+            logger.tap(step, logger.init(), watch=spec)(jnp.float32(3.0), 0)
+        with JsonlLogger(tmp_path / "spool.jsonl") as logger:
+            logger.spool(step, logger.init(), watch=spec, reduce=STACK)(jnp.float32(3.0), 0)
+    rows = [(r["key"], r["step"], r["value"]) for r in read_jsonl(tmp_path / "jit.jsonl")]
+    want = [("watch/while[0]/carry/1", i, v) for i in (0, 2, 4) for v in np_newton(2 + i)]
+    assert [r[:2] for r in rows] == [w[:2] for w in want]
+    np.testing.assert_allclose([r[2] for r in rows], [w[2] for w in want], rtol=1e-6)
+    for name in ("tap", "spool"):
+        values = [r["value"] for r in read_jsonl(tmp_path / f"{name}.jsonl")]
+        np.testing.assert_allclose(values, np_newton(3.0), rtol=1e-6)
+
+
+def test_the_transform_inside_a_scope_takes_its_steps():
+    def step(a, i):
+        with el.scope(step=i):
+            return el.watch(newton_sqrt, "while", where="*/carry/1")(a)
+
+    _, logs = el.spool(step, reduce=STACK)(jnp.float32(2.0), jnp.int32(7))
+    n = len(np_newton(2.0))
+    key = "watch/while[0]/carry/1"
+    np.testing.assert_allclose(logs[key][:n], np_newton(2.0), rtol=1e-6)
+    assert logs.steps["step"][key][:n].tolist() == [7] * n
+
+
 def test_nothing_is_watched_outside_a_spool():
     watched = el.watch(newton_sqrt, "while")
     np.testing.assert_allclose(watched(jnp.float32(10.0)), newton_sqrt(jnp.float32(10.0)))

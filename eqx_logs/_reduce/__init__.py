@@ -19,7 +19,12 @@ from ._options import (
     check_options as check_options,
     document_options as document_options,
 )
-from ._policy import Policy as Policy, unmatched as unmatched, with_options as with_options
+from ._policy import (
+    Policy as Policy,
+    unmatched as unmatched,
+    with_options as with_options,
+    without_watch as without_watch,
+)
 from ._reductions import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,

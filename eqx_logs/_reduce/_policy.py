@@ -150,6 +150,13 @@ def with_options(policy: Any, where: str, **options: Unpack[PolicyOptions]) -> P
     return policy.replace(**options)
 
 
+def without_watch(policy: Policy) -> Policy:
+    """`policy` without its `watch` option (applied to the function by the caller instead)."""
+    values = {name: getattr(policy, name) for name in OPTIONS}
+    values.update(rules=dict(policy.rules), watch=None)
+    return Policy(**values)
+
+
 def unmatched(
     policy: Policy, who: str, tags: set[str], keys: set[str], selected: bool
 ) -> list[str]:

@@ -4,6 +4,8 @@ logger applies the same rewrite to the function it wraps)."""
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
+import equinox as eqx
+
 from .. import _compat
 from .._spool import trace_filtered
 from .._stats import DEFAULT_STATS
@@ -19,6 +21,7 @@ class _Watched(AbstractWrapper):
 
     fun: Callable
     spec: Watch
+    caller: str = eqx.field(static=True, default="eqx_logs.watch")
 
     shown: ClassVar[str] = "eqx_logs.watch"
 
@@ -33,7 +36,13 @@ class _Watched(AbstractWrapper):
         if not _compat.logging_enabled.value:  # no spool or tap traces: nothing to log
             return self.fun(*args, **kwargs)
         closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
-        return rebuild(run_watched(closed, flat, self.spec, "eqx_logs.watch"))
+        return rebuild(run_watched(closed, flat, self.spec, self.caller))
+
+
+def watch_with(fun: Callable[..., _T], spec: Watch, shown: str) -> Callable[..., _T]:
+    """`watch(fun, ...)` for a `Watch` already made (a policy's), `shown` (the caller) naming
+    it in what it says."""
+    return build_wrapper(_Watched, fun, spec, shown)
 
 
 def watch(

@@ -19,9 +19,11 @@ from .._reduce import (
     check_options,
     document_options,
     with_options,
+    without_watch,
 )
 from .._spool import spool as _spool
 from .._tap import check_buffer, check_tap_options, tap_with
+from .._watch._api import watch_with
 from .._wrapper import AbstractWrapper, build, build_wrapper
 from ._host import Record
 from ._jit import Donate, Jit, Last
@@ -432,6 +434,11 @@ def _jitted_step(
         spooled = _spool(fun, policy=policy, keep=keep)
         return spooled, Jit(build(Packing, spooled), donate), None, None
     at = StepArg.of(fun, step, "logger.jit")
+    if policy.watch is not None:
+        # watched inside the call's step scope: the watched values carry the call's step,
+        # as its logs do (the spool's rewrite would run outside it)
+        fun = watch_with(fun, policy.watch, "logger.jit")
+        policy = without_watch(policy)
     spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
     packing, last = build(Packing, spooled), Last()
     jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
