@@ -568,3 +568,36 @@ def test_any_operation_with_empty_and_scalar_outputs():
     assert logs.first_nonfinite is None
     _, logs = spooled(jnp.float32(100.0), jnp.zeros((0, 3)))  # exp(100) overflows float32
     assert logs.first_nonfinite.operation.startswith("exp at ")
+
+
+def test_any_operation_in_optax_adam_with_no_epsilon():
+    """optax's adam with `eps=0`: a parameter whose gradient is 0 at the first step gets
+    `0 / (sqrt(0) + 0)`, a NaN made inside optax, which the search names (a `div`, as
+    `jax.debug_nans` does), at the line of the `update` call; numpy computes the same update.
+    Under jit, vmap (a lane whose gradients are all nonzero finds nothing) and grad."""
+    import optax
+
+    opt = optax.adam(1e-2, eps=0.0)
+
+    def step(w, scale):
+        g = scale * w
+        updates, _ = opt.update(g, opt.init(w), w)  # THE UPDATE
+        return optax.apply_updates(w, updates)
+
+    w, scale = np.array([1.0, 2.0], np.float32), np.array([1.0, 0.0], np.float32)
+    with np.errstate(invalid="ignore"):  # adam's first step by hand: m / sqrt(v), bias-corrected
+        g = scale * w
+        m, v = 0.1 * g / (1 - 0.9), 0.001 * g**2 / (1 - 0.999)
+        assert np.isnan(m / np.sqrt(v)).tolist() == [False, True]
+    spooled = jax.jit(el.spool(step, first_nonfinite="any"))
+    with jax.numpy_dtype_promotion("standard"):  # (optax's bias correction: 0.9 ** count)
+        _, logs = spooled(w, scale)
+        _, batched = jax.vmap(spooled, in_axes=(None, 0))(w, np.stack([scale, np.ones(2)]))
+        grad = jax.grad(lambda w, s: jnp.sum(step(w, s)))
+        _, grads = el.spool(grad, first_nonfinite="any")(w, scale)
+    report = logs.first_nonfinite
+    assert report.operation.startswith("div at ") and not report.backward
+    assert report.site.endswith(f":{_line_of(step, 'THE UPDATE')} ({step.__qualname__})")
+    assert batched.first_nonfinite[0] == report and batched.first_nonfinite[1] is None
+    assert grads.first_nonfinite.operation.startswith("div at ")
+    assert not grads.first_nonfinite.backward
