@@ -601,3 +601,30 @@ def test_any_operation_in_optax_adam_with_no_epsilon():
     assert batched.first_nonfinite[0] == report and batched.first_nonfinite[1] is None
     assert grads.first_nonfinite.operation.startswith("div at ")
     assert not grads.first_nonfinite.backward
+
+
+def test_any_operation_in_a_singular_lineax_solve():
+    """lineax's LU solve of a singular matrix (scipy's factorisation has a zero pivot): the
+    first non-finite value is the `linear_solve`'s output (an Equinox primitive, not looked
+    into), at the user's line; its inputs are finite. Under jit and vmap (an identity lane
+    finds nothing)."""
+    import lineax as lx
+    import scipy.linalg
+
+    def solve(A, b):
+        operator = lx.MatrixLinearOperator(A)
+        return lx.linear_solve(operator, b, lx.LU(), throw=False).value  # THE SOLVE
+
+    A = np.array([[1.0, 2.0], [2.0, 4.0]], np.float32)
+    b = np.ones(2, np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", scipy.linalg.LinAlgWarning)
+        lu, _ = scipy.linalg.lu_factor(A)
+    assert np.diag(lu).tolist() == [2.0, 0.0]
+    spooled = jax.jit(el.spool(solve, first_nonfinite="any"))
+    _, logs = spooled(A, b)
+    report = logs.first_nonfinite
+    assert report.operation == "linear_solve at linear_solve[0]/0" and not report.backward
+    assert report.site.endswith(f":{_line_of(solve, 'THE SOLVE')} ({solve.__qualname__})")
+    _, batched = jax.vmap(spooled, in_axes=(0, None))(np.stack([A, np.eye(2, dtype=A.dtype)]), b)
+    assert batched.first_nonfinite[0] == report and batched.first_nonfinite[1] is None
