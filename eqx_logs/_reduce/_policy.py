@@ -111,10 +111,8 @@ class Policy(eqx.Module):
     def replace(self, **changes: Unpack[PolicyOptions]) -> "Policy":
         """A copy with some options changed (None leaves an option as it is)."""
         check_options("eqx_logs.Policy.replace", changes)
-        values = {name: getattr(self, name) for name in OPTIONS}
-        values["rules"] = dict(self.rules)
-        values.update({k: v for k, v in changes.items() if v is not None})
-        return Policy(**values)
+        changes = {k: v for k, v in changes.items() if v is not None}
+        return Policy(**{**_options(self), **changes})
 
     def selects(self, tags: tuple[str, ...]) -> bool:
         """Whether an event with these tags is kept."""
@@ -150,11 +148,14 @@ def with_options(policy: Any, where: str, **options: Unpack[PolicyOptions]) -> P
     return policy.replace(**options)
 
 
+def _options(policy: Policy) -> dict[str, Any]:
+    """The options that make `policy` again: `Policy(**_options(policy))`."""
+    return {**{name: getattr(policy, name) for name in OPTIONS}, "rules": dict(policy.rules)}
+
+
 def without_watch(policy: Policy) -> Policy:
     """`policy` without its `watch` option (applied to the function by the caller instead)."""
-    values = {name: getattr(policy, name) for name in OPTIONS}
-    values.update(rules=dict(policy.rules), watch=None)
-    return Policy(**values)
+    return Policy(**{**_options(policy), "watch": None})
 
 
 def unmatched(

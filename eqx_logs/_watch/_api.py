@@ -39,10 +39,10 @@ class _Watched(AbstractWrapper):
         return rebuild(run_watched(closed, flat, self.spec, self.caller))
 
 
-def watch_with(fun: Callable[..., _T], spec: Watch, shown: str) -> Callable[..., _T]:
-    """`watch(fun, ...)` for a `Watch` already made (a policy's), `shown` (the caller) naming
-    it in what it says."""
-    return build_wrapper(_Watched, fun, spec, shown)
+def watch_with(fun: Callable[..., _T], spec: Watch, caller: str) -> Callable[..., _T]:
+    """`watch(fun, ...)` for a `Watch` already made (a policy's), `caller` naming it in what
+    it says."""
+    return build_wrapper(_Watched, fun, spec, caller)
 
 
 def watch(
