@@ -52,11 +52,23 @@ DURATIONS = --durations=15
 # mutation check replays a quarter of it, as it did when its table was first measured.
 ORACLE_SHARE ?= 0.125
 ORACLES_SHARED = EQX_LOGS_ORACLE_SHARE=$(ORACLE_SHARE) EQX_LOGS_ORACLE_EXPLORE=0
+# The suite compiles some ten thousand small programs and runs most of them once: it waits
+# mostly for XLA's CPU compiler. `make test` (and test-fast) tell it to compile quickly: its
+# elemental emitters instead of its fusion emitters, and LLVM without its expensive passes.
+# They change how the code is made, not what it computes (the whole suite passes either way,
+# the docs' printed numbers and the exact comparisons included), and take about a quarter
+# off the suite's time. The subprocesses the tests start keep them. JAX 0.12's XLA has no
+# other emitters: `make test312` runs at XLA's defaults, so CI also runs the whole suite as
+# users compile. `make test TEST_XLA_FLAGS=` runs at the defaults here.
+TEST_XLA_FLAGS ?= --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true
+TEST_ENV = XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS))"
 ORACLES_FULL = EQX_LOGS_ORACLE_SHARE=1 EQX_LOGS_ORACLE_EXPLORE=1
 
 test: .venv/.installed
-	.venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
+	$(TEST_ENV) .venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS) \
+		$(addprefix --ignore=,$(ORACLES))
+	$(TEST_ENV) $(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) \
+		$(ORACLES)
 
 # The exploring run draws its programs from a seed fixed by the code it tests (eqx_logs/ and
 # tests/ as committed): a commit always meets the same programs, so a CI run can be replayed
@@ -68,7 +80,7 @@ test-oracles: .venv/.installed
 		$(if $(ORACLE_SEED),--hypothesis-seed=$(ORACLE_SEED)) $(ORACLES)
 
 test-fast: .venv/.installed
-	$(ORACLES_SHARED) .venv/bin/python -m pytest -q $(WORKERS) -m fast
+	$(TEST_ENV) $(ORACLES_SHARED) .venv/bin/python -m pytest -q $(WORKERS) -m fast
 
 test312: .venv312/.installed
 	.venv312/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
@@ -77,7 +89,7 @@ test312: .venv312/.installed
 # The mutation check (tests/mutations/): deliberate bugs in the engine, each of which the
 # engine's tests must catch (slow: a pytest run per mutation).
 mutations: .venv/.installed
-	EQX_LOGS_ORACLE_SHARE=0.25 EQX_LOGS_ORACLE_EXPLORE=0 .venv/bin/python tests/mutations/run.py
+	$(TEST_ENV) EQX_LOGS_ORACLE_SHARE=0.25 EQX_LOGS_ORACLE_EXPLORE=0 .venv/bin/python tests/mutations/run.py
 
 bench: .venv/.installed
 	.venv/bin/pip install -q -e '.[bench]'

@@ -26,11 +26,12 @@ import sys
 import tempfile
 import time
 
-# Before JAX starts: this many CPU devices per process (a GPU or TPU host has its own).
+# Before JAX starts: this many CPU devices per process (a GPU or TPU host has its own),
+# unless XLA_FLAGS names a count; the other flags it holds are kept.
 _processes = next((int(a.split("=")[1]) for a in sys.argv if a.startswith("train.processes=")), 1)
-os.environ.setdefault(
-    "XLA_FLAGS", f"--xla_force_host_platform_device_count={4 // max(_processes, 1)}"
-)
+if "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    _count = f"--xla_force_host_platform_device_count={4 // max(_processes, 1)}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_count}".strip()
 
 import equinox as eqx  # noqa: E402
 import hydra  # noqa: E402

@@ -11,6 +11,19 @@ import numpy as np
 RTOL, ATOL = 1e-5, 1e-6
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+
+def without_device_count() -> str:
+    """The XLA flags the suite runs under (`make test`'s, which its subprocesses keep), less
+    any CPU device count."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
+
+
+def devices_env(n: int) -> dict[str, str]:
+    """This process's environment for a subprocess with `n` CPU devices."""
+    count = f"--xla_force_host_platform_device_count={n}"
+    return {**os.environ, "XLA_FLAGS": f"{without_device_count()} {count}".strip()}
+
+
 # A training loop as a script writes it (the loggers' docstring examples): `LOGGER` is filled
 # in; the script prints "done" and nothing else of its own.
 TRAINING_SCRIPT = """

@@ -9,13 +9,14 @@ import subprocess
 import sys
 
 import pytest
+from helpers import devices_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = devices_env(4)
     run = subprocess.run(
         [sys.executable, os.path.join(HERE, "devices_checks.py")],
         env=env,

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import read_tensorboard
+from helpers import devices_env, read_tensorboard
 
 from eqx_logs.loggers import read_jsonl
 
@@ -28,7 +28,7 @@ def _free_port() -> int:
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
     port = str(_free_port())
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = devices_env(2)
     env.pop("JAX_PLATFORMS", None)
     worker = os.path.join(HERE, "distributed_worker.py")
     procs = [

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import pytest
+from helpers import without_device_count
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -89,7 +90,8 @@ def _distributed(tmp_path, name: str, *overrides: str, processes: int = 1) -> li
     distributed service) or Gloo's `[Gloo] Rank ... is connected` lines: a run prints what
     the example prints, and nothing on stderr."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("XLA_FLAGS", None)  # the example sets the CPU device count itself
+    # the suite's XLA flags kept, without a device count: distributed.py adds its own
+    env["XLA_FLAGS"] = without_device_count()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import without_device_count
 from jax import lax
 
 import eqx_logs
@@ -39,7 +40,8 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env.setdefault("JAX_PLATFORMS", "cpu")
     env.pop("HYDRA_FULL_ERROR", None)
-    env.pop("XLA_FLAGS", None)  # (distributed.py sets its own device count)
+    # the suite's XLA flags kept, without a device count: distributed.py adds its own
+    env["XLA_FLAGS"] = without_device_count()
     return env
 
 

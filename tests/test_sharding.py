@@ -3,12 +3,12 @@ axes) stay sharded in every reduction state: spooling a scan that logs them work
 results equal the unsharded run. Four CPU devices, in a subprocess."""
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from helpers import devices_env
 
 SCRIPT = textwrap.dedent(
     """
@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent(
 
 @pytest.fixture(scope="module")
 def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = devices_env(4)
     run = subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300
     )
