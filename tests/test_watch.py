@@ -628,3 +628,58 @@ def test_any_operation_in_a_singular_lineax_solve():
     assert report.site.endswith(f":{_line_of(solve, 'THE SOLVE')} ({solve.__qualname__})")
     _, batched = jax.vmap(spooled, in_axes=(0, None))(np.stack([A, np.eye(2, dtype=A.dtype)]), b)
     assert batched.first_nonfinite[0] == report and batched.first_nonfinite[1] is None
+
+
+def test_any_operation_in_an_optimistix_newton_root_find():
+    """Newton's method on `sqrt(y) - 2` from y0 = 20 steps to a negative iterate (numpy's
+    Newton step `-y + 4 sqrt(y)`): the square root of the next iteration is the first NaN,
+    named at the user's function inside optimistix's loop, at the iteration the watched
+    carry shows the negative iterate; optimistix's own starting `inf` (its step size) is not
+    reported. Under jit, vmap (a lane from y0 = 10 converges: nothing) and grad."""
+    import optimistix as optx
+
+    def root(y0):
+        fn = lambda y, args: jnp.sqrt(y) - 2.0  # noqa: E731  THE ROOT
+        solver = optx.Newton(rtol=1e-6, atol=1e-6)
+        return optx.root_find(fn, solver, y0, max_steps=16, throw=False).value
+
+    ys = [np.float32(20.0)]  # numpy's iterates, up to the first negative one
+    while ys[-1] >= 0:
+        ys.append(-ys[-1] + np.float32(4) * np.sqrt(ys[-1]))
+    spooled = jax.jit(el.spool(root, first_nonfinite="any"))
+    _, logs = spooled(jnp.float32(20.0))
+    report = logs.first_nonfinite
+    assert report.operation == "sqrt at while[0]/sqrt[0]" and not report.backward
+    assert report.iterations == (len(ys) - 1,)
+    lambda_name = f"{root.__qualname__}.<locals>.<lambda>"
+    assert report.site.endswith(f":{_line_of(root, 'THE ROOT')} ({lambda_name})")
+    watched = el.spool(root, watch=el.Watch("while", where=ROOT_KEY), reduce=el.Stack(16))
+    _, carries = watched(jnp.float32(20.0))
+    np.testing.assert_allclose(carries[ROOT_KEY][: len(ys) - 1], ys[1:], rtol=1e-5)
+    _, batched = jax.vmap(spooled)(jnp.array([20.0, 10.0]))
+    assert batched.first_nonfinite[0] == report and batched.first_nonfinite[1] is None
+    _, grads = el.spool(jax.grad(root), first_nonfinite="any")(jnp.float32(20.0))
+    assert grads.first_nonfinite.operation == report.operation
+    assert grads.first_nonfinite.iterations == report.iterations
+
+
+def test_any_operation_passes_over_a_causal_masks_infinities():
+    """`jnp.where(mask, logits, -inf)` then softmax: the `-inf` is the code's own (the
+    softmax's `logits - max` holds it), not reported; a row masked whole makes
+    `-inf - -inf`, a NaN, reported at that subtraction, as numpy's softmax makes it."""
+
+    def attention(q, k, mask):
+        logits = jnp.where(mask, q @ k.T, -jnp.inf)
+        return jax.nn.softmax(logits, axis=-1)  # THE SOFTMAX
+
+    q = k = jnp.ones((4, 3))
+    causal = jnp.tril(jnp.ones((4, 4), bool))
+    spooled = jax.jit(el.spool(attention, first_nonfinite="any"))
+    _, logs = spooled(q, k, causal)
+    assert logs.first_nonfinite is None
+    empty = causal.at[2].set(False)  # row 2 masked whole
+    with np.errstate(invalid="ignore"):
+        row = np.full(4, -np.inf, np.float32)
+        assert np.isnan(row - row.max()).all()
+    _, logs = spooled(q, k, empty)
+    assert logs.first_nonfinite.operation.startswith("sub at ")

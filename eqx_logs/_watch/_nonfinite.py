@@ -37,8 +37,9 @@ _FINITE_PRESERVING = frozenset(
         "copy_p", "cos", "cummax", "cummin", "device_put", "dynamic_slice",
         "dynamic_update_slice", "erf", "expand_dims", "floor", "gather", "imag", "iota",
         "is_finite", "logistic", "max", "min", "neg", "optimization_barrier", "pad", "real",
-        "reduce_max", "reduce_min", "reshape", "rev", "round", "select_n", "sharding_constraint",
-        "sign", "sin", "slice", "sort", "squeeze", "stop_gradient", "tanh", "transpose",
+        "reduce_max", "reduce_min", "reshape", "rev", "round", "select_if_vmap", "select_n",
+        "sharding_constraint", "sign", "sin", "slice", "sort", "squeeze", "stop_gradient",
+        "tanh", "transpose",
     }
 )  # fmt: skip
 _GROUP = 8  # same-shaped arrays per reduction (32 measured no faster)
@@ -54,10 +55,20 @@ def _literal(v: Any) -> np.ndarray | None:
     return np.asarray(v.val) if isinstance(v, _compat.Literal) else None
 
 
-def _sentinel(v: Any) -> bool:
-    """A literal NaN or infinity among an equation's operands."""
+def _sentinel(v: Any) -> str | None:
+    """Of an equation's operand: "nan" for a literal holding a NaN, "inf" for one holding an
+    infinity (and no NaN), else None."""
     value = _literal(v)
-    return value is not None and value.dtype.kind in "fc" and not np.all(np.isfinite(value))
+    if value is None or value.dtype.kind not in "fc" or np.all(np.isfinite(value)):
+        return None
+    return "nan" if np.any(np.isnan(value)) else "inf"
+
+
+def _identity(eqn: _compat.JaxprEqn) -> bool:
+    """`max(x, -inf)` or `min(x, inf)` (`jnp.max(x, initial=-jnp.inf)`, as `jax.nn.softmax`
+    writes it): `x` itself, whose infinity, if any, is not the literal's."""
+    neutral = {"max": -math.inf, "min": math.inf}.get(eqn.primitive.name)
+    return neutral is not None and any(_scalar(v) == neutral for v in eqn.invars)
 
 
 def _widens(eqn: _compat.JaxprEqn) -> bool:
@@ -92,9 +103,9 @@ def _shrinks(eqn: _compat.JaxprEqn) -> bool:
     return any(c is not None and abs(c) <= 1 for c in scalars)
 
 
-def _finite(xs: list[Any]) -> Any:
-    """Whether each of the arrays `xs` is finite, as a vector of booleans: whether its
-    largest magnitude is (a maximum propagates NaN).
+def _largest(xs: list[Any]) -> list[Any]:
+    """The largest magnitude of each of the arrays `xs`: finite where the array is, NaN
+    where it holds a NaN (a maximum propagates NaN), else infinite.
 
     - One reduction of several arrays for each run of same-shaped ones: an elementwise
       chain that XLA fuses into one loop has its inputs read once, not once per array.
@@ -104,18 +115,18 @@ def _finite(xs: list[Any]) -> Any:
       not `sum(x * 0)`, which XLA's simplifier breaks (`(x * 3) * 0` becomes `x * 0`, finite
       where `x * 3` overflows).
     """
-    flags = []
+    out = []
     for (shape, _), run in itertools.groupby(xs, lambda x: (jnp.shape(x), x.dtype)):
         run = list(run)
         for k in range(0, len(run), _GROUP):
-            flags += _group_finite(run[k : k + _GROUP], shape)
-    return jnp.stack(flags)
+            out += _group_largest(run[k : k + _GROUP], shape)
+    return out
 
 
-def _group_finite(xs: list[Any], shape: tuple[int, ...]) -> list[Any]:
-    """Whether each of the arrays `xs` (all of `shape`) is finite: one reduction of them."""
+def _group_largest(xs: list[Any], shape: tuple[int, ...]) -> list[Any]:
+    """The largest magnitude of each of the arrays `xs` (all of `shape`): one reduction."""
     if not math.prod(shape):
-        return [jnp.bool_(True)] * len(xs)  # (nothing to check)
+        return [jnp.zeros((), _magnitude(x).dtype) for x in xs]  # (nothing to check)
     rows = 1  # the product of the fewest leading axes (not the last) that makes `_ROWS`
     for n in shape[:-1]:
         if rows >= _ROWS:
@@ -124,7 +135,7 @@ def _group_finite(xs: list[Any], shape: tuple[int, ...]) -> list[Any]:
     parts = tuple(_magnitude(x).reshape(rows, -1) for x in xs)
     init = tuple(jnp.zeros((), m.dtype) for m in parts)
     largest = lax.reduce(parts, init, _max_each, (1,))
-    return [jnp.isfinite(jnp.max(m)) for m in largest]
+    return [jnp.max(m) for m in largest]
 
 
 def _max_each(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -143,11 +154,31 @@ def _magnitude(x: Any) -> Any:
 class _AnyNonfinite(Watcher):
     """Checks the output of every operation that can make a non-finite value: the checks of
     each straight run of operations (of one pass) are one event, whose step `OPERATION` is
-    the first failing check's index in the run, and whose site lists the run's operations."""
+    the first failing check's index in the run, and whose site lists the run's operations.
+
+    A NaN or infinity written in the program is a sentinel the code means to make, and so is
+    what is computed from it: a causal mask's `-inf`, the `inf` an optimistix solver starts
+    its step size from. Each value computed from one (here: in the same straight run, or a
+    call inlined into it) is followed, with the sentinel's kind, and an operation on it is
+    checked for NaN only (an infinity it holds may be the sentinel's; `-inf - -inf` in a
+    softmax whose row is all masked is NaN, found), or, from a NaN, not at all."""
 
     def __init__(self):
         super().__init__(Watch("*", stats=None, backward=True))
-        self.pending: list[tuple[Any, str, str, bool]] = []  # (value, site, operation, back)
+        # (value, site, operation, backward pass, NaN only)
+        self.pending: list[tuple[Any, str, str, bool, bool]] = []
+        self.sentinels: dict[int, tuple[Any, str]] = {}  # id -> (value, "inf" | "nan")
+        self.kinds: set[str] = set()  # the sentinels' kinds among the equation's operands
+
+    def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
+        kinds = set() if _identity(eqn) else {_sentinel(v) for v in eqn.invars} - {None}
+        kinds |= {self.sentinels[id(x)][1] for x in invals if id(x) in self.sentinels}
+        self.kinds = kinds  # (read by `log`: an equation it logs evaluates nothing within)
+        outs = super().equation(eqn, invals, path, outer, counters)
+        if kinds:
+            kind = "nan" if "nan" in kinds else "inf"
+            self.sentinels.update((id(x), (x, kind)) for x in outs)
+        return outs
 
     def watches(self, eqn: _compat.JaxprEqn) -> bool:
         name = eqn.primitive.name
@@ -166,24 +197,29 @@ class _AnyNonfinite(Watcher):
         # An operation on a NaN or infinity written in the program makes a sentinel the code
         # means to make (diffrax fills the rows of its outputs that no step reaches with
         # `x * inf`): its check would report what the code intends. (What is computed from
-        # that value later is checked: a `jnp.take_along_axis` selects its NaN fill away.)
-        if jnp.issubdtype(x.dtype, jnp.inexact) and not any(map(_sentinel, eqn.invars)):
+        # that value later is checked, for NaN: a `jnp.take_along_axis` selects it away.)
+        written = any(map(_sentinel, eqn.invars))
+        if jnp.issubdtype(x.dtype, jnp.inexact) and not written and "nan" not in self.kinds:
             address = key.split("watch/", 1)[-1]
-            self.gather(
-                x, site, f"{eqn.primitive.name} at {address}", _compat.in_backward_pass(eqn)
-            )
+            operation = f"{eqn.primitive.name} at {address}"
+            self.gather(x, site, operation, _compat.in_backward_pass(eqn), "inf" in self.kinds)
         return x
 
-    def gather(self, x: Any, site: str, operation: str, backward: bool) -> None:
+    def gather(
+        self, x: Any, site: str, operation: str, backward: bool, nan_only: bool = False
+    ) -> None:
         if self.pending and self.pending[-1][3] != backward:
             self.flush()  # (one pass per event)
-        self.pending.append((x, site, operation, backward))
+        self.pending.append((x, site, operation, backward, nan_only))
 
     def flush(self) -> None:
         if not self.pending:
             return
-        finite = _finite([p[0] for p in self.pending])
-        table = json.dumps([[site, operation] for _, site, operation, _ in self.pending])
+        largest = _largest([p[0] for p in self.pending])
+        finite = jnp.stack(
+            [~jnp.isnan(m) if p[4] else jnp.isfinite(m) for m, p in zip(largest, self.pending)]
+        )
+        table = json.dumps([[p[1], p[2]] for p in self.pending])
         value = lax.select(jnp.all(finite), jnp.float32(0), jnp.float32(np.nan))
         first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
         tags = (WATCH_TAG, BACKWARD_TAG) if self.pending[0][3] else (WATCH_TAG,)
