@@ -58,10 +58,10 @@ ORACLES_SHARED = EQX_LOGS_ORACLE_SHARE=$(ORACLE_SHARE) EQX_LOGS_ORACLE_EXPLORE=0
 # They change how the code is made, not what it computes (the whole suite passes either way,
 # the docs' printed numbers and the exact comparisons included). Measured side by side:
 # 0.78x the wall time of a file that compiles much in-process (tests/test_instrument.py's
-# statistics under vmap), 0.91x of one that runs the Hydra example in subprocesses with the
-# reductions' and dtypes' files. The subprocesses the tests start keep them. JAX 0.12's XLA has no
-# other emitters: `make test312` runs at XLA's defaults, so CI also runs the whole suite as
-# users compile. `make test TEST_XLA_FLAGS=` runs at the defaults here.
+# statistics under vmap), 0.91x of the Hydra example's subprocess runs with the reductions'
+# and dtypes' files. The subprocesses the tests start keep them. JAX 0.12's XLA has no other
+# emitters: `make test312` runs at XLA's defaults, so CI also runs the whole suite as users
+# compile. `make test TEST_XLA_FLAGS=` runs at the defaults here.
 TEST_XLA_FLAGS ?= --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true
 TEST_ENV = XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS))"
 ORACLES_FULL = EQX_LOGS_ORACLE_SHARE=1 EQX_LOGS_ORACLE_EXPLORE=1

@@ -168,13 +168,23 @@ class _AnyNonfinite(Watcher):
         # (value, site, operation, backward pass, NaN only)
         self.pending: list[tuple[Any, str, str, bool, bool]] = []
         self.sentinels: dict[int, tuple[Any, str]] = {}  # id -> (value, "inf" | "nan")
-        self.kinds: set[str] = set()  # the sentinels' kinds among the equation's operands
+        # how the equation being evaluated is checked: "all", "nan" (only) or None (not)
+        self.check: str | None = "all"
 
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
-        kinds = set() if _identity(eqn) else {_sentinel(v) for v in eqn.invars} - {None}
-        kinds |= {self.sentinels[id(x)][1] for x in invals if id(x) in self.sentinels}
-        self.kinds = kinds  # (read by `log`: an equation it logs evaluates nothing within)
+        written = {_sentinel(v) for v in eqn.invars} - {None}
+        followed = {self.sentinels[id(x)][1] for x in invals if id(x) in self.sentinels}
+        # An operation on a NaN or infinity written in the program makes a sentinel the code
+        # means to make (diffrax fills the rows of its outputs that no step reaches with
+        # `x * inf`): it is not checked. What is computed from one is checked for NaN only;
+        # from a NaN, not at all.
+        if written or "nan" in followed:
+            self.check = None
+        else:
+            self.check = "nan" if followed else "all"
+        # (`log` reads `check`: an equation it logs evaluates nothing within)
         outs = super().equation(eqn, invals, path, outer, counters)
+        kinds = followed | (set() if _identity(eqn) else written)
         if kinds:
             kind = "nan" if "nan" in kinds else "inf"
             self.sentinels.update((id(x), (x, kind)) for x in outs)
@@ -194,15 +204,11 @@ class _AnyNonfinite(Watcher):
         return eqn.primitive.name != _compat.SHARD_MAP and super().descends(eqn)
 
     def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
-        # An operation on a NaN or infinity written in the program makes a sentinel the code
-        # means to make (diffrax fills the rows of its outputs that no step reaches with
-        # `x * inf`): its check would report what the code intends. (What is computed from
-        # that value later is checked, for NaN: a `jnp.take_along_axis` selects it away.)
-        written = any(map(_sentinel, eqn.invars))
-        if jnp.issubdtype(x.dtype, jnp.inexact) and not written and "nan" not in self.kinds:
+        if jnp.issubdtype(x.dtype, jnp.inexact) and self.check is not None:
             address = key.split("watch/", 1)[-1]
             operation = f"{eqn.primitive.name} at {address}"
-            self.gather(x, site, operation, _compat.in_backward_pass(eqn), "inf" in self.kinds)
+            backward = _compat.in_backward_pass(eqn)
+            self.gather(x, site, operation, backward, nan_only=self.check == "nan")
         return x
 
     def gather(
