@@ -11,7 +11,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _compat
-from ._watch import CHECKED, operation_of
+from ._watch import is_checked, operation_of
 
 
 @jtu.register_pytree_with_keys_class
@@ -359,7 +359,7 @@ def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | 
     site = sites[int(arrays["site"])] if int(arrays["site"]) >= 0 else "a custom derivative rule"
     steps = {n: int(arrays[f"step:{n}"]) for n in step_names}
     key, operation = keys[int(arrays["key"])], None
-    if key == CHECKED:  # `first_nonfinite="any"`: the site lists the operations checked
+    if is_checked(key):  # `first_nonfinite="any"`: the site lists the operations checked
         site, operation = operation_of(site, steps)
     return NonfiniteEvent(
         key=key,
@@ -370,6 +370,7 @@ def _reports(arrays: dict[str, np.ndarray], tables: tuple) -> "NonfiniteEvent | 
         backward=bool(arrays["backward"]),
         iterations=tuple(int(i) for i in arrays["iterations"][: int(arrays["depth"])]),
         lane=int(arrays["lane"]) if int(arrays["lane"]) >= 0 else None,
+        device=int(device) if (device := arrays.get("device", -1)) >= 0 else None,
     )
 
 
@@ -387,6 +388,10 @@ class NonfiniteEvent:
       around it inside the spool was in, outermost first, counted in execution order (a
       reversed scan's first iteration is 0): in a scan over training steps, the step;
     - `lane`: under a `jax.vmap` inside the spool, the first lane (flattened) that had one;
+    - `device`: inside a `jax.shard_map` (or `jax.pmap`), the device it happened on: its
+      index, row-major, over the manual mesh axes (of every shard_map around it, outermost
+      first); the devices run at once, so of several that had one, the lowest-numbered.
+      Its `event` is then its index among that device's events of the key;
     - `operation`: with `first_nonfinite="any"`, the operation whose output it was and its
       address (as [`eqx_logs.watch`][]'s: `"div at scan[0]/div[1]"`), or the function's
       input; its `site` is then your line that led there, and its `key` the key of the
@@ -401,6 +406,7 @@ class NonfiniteEvent:
     iterations: tuple[int, ...] = ()
     lane: int | None = None
     operation: str | None = None
+    device: int | None = None
 
     def __str__(self) -> str:
         if self.operation is not None:
@@ -412,6 +418,8 @@ class NonfiniteEvent:
             where.append(f"loop iteration {', '.join(map(str, self.iterations))}")
         if self.lane is not None:
             where.append(f"vmap lane {self.lane}")
+        if self.device is not None:
+            where.append(f"device {self.device}")
         return (
             f"first non-finite value: {', '.join(where)}; in the "
             f"{'backward' if self.backward else 'forward'} pass, "

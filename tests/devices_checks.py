@@ -484,5 +484,134 @@ def _():
     return {"h": close(logs["h"], hs), "spec": spec_of(logs["h"])}
 
 
+# -- first_nonfinite: each device searches its own events; the lowest-numbered device that
+# found one is reported. The reference: numpy, on each device's block of the input.
+
+STEPS = 6
+
+
+def descending(x):
+    """Each device's block goes down by 1 a step; `log(c)` is not finite from the step where
+    an element reaches 0."""
+
+    def step(c, i):
+        c = c - 1.0
+        eqx_logs.log({"half": c * 0.5, "log_c": jnp.log(c)}, step=i.astype(jnp.int32))
+        return c, None
+
+    return jax.lax.scan(step, x, jnp.arange(float(STEPS)))[0]
+
+
+def descending_lanes(x):
+    """`descending` with the block's elements as `vmap` lanes, inside the shard_map."""
+    return jax.vmap(descending)(x)
+
+
+def np_first_bad(x, devices=4):
+    """(device, iteration, lane) of the report, in numpy: on each device, the first step
+    where an element of its block is <= 0 after the step's decrement; of several devices,
+    the lowest-numbered; None where none."""
+    blocks = np.asarray(x).reshape(devices, -1)
+    for d, block in enumerate(blocks):
+        for i in range(STEPS):
+            bad = block - (i + 1) <= 0
+            if bad.any():
+                return d, i, int(np.argmax(bad))
+    return None
+
+
+def report_is(report, want, key="log_c", lane=False):
+    if want is None:
+        return report is None
+    d, i, j = want
+    return (
+        report is not None
+        and report.key == key
+        and report.device == d
+        and report.iterations == (i,)
+        and report.event == i  # that device's i-th event of the key
+        and report.steps == {"step": i}
+        and report.lane == (j if lane else None)
+        and "devices_checks.py" in report.site
+        and f"device {d}" in str(report)
+    )
+
+
+one_bad = jnp.array([9.0, 9, 9, 9, 3.5, 9, 9, 9])  # device 2, at step 3
+two_bad = jnp.array([9.0, 9, 4.5, 9, 9, 9, 1.5, 9])  # device 1 at step 4, device 3 at step 1
+fine = jnp.full(8, 9.0)
+
+
+@check("first_nonfinite")
+def _():
+    spooled = eqx_logs.spool(sm(descending), first_nonfinite=True)
+    jitted = jax.jit(spooled)
+    got = {}
+    for name, x in (("one", one_bad), ("two", two_bad), ("fine", fine)):
+        report = spooled(x)[1].first_nonfinite
+        got[name] = report_is(report, np_first_bad(x))
+        got[f"{name}_jit"] = jitted(x)[1].first_nonfinite == report
+    got["two_lowest_not_earliest"] = np_first_bad(two_bad)[:2] == (1, 4)
+    lanes = eqx_logs.spool(sm(descending_lanes), first_nonfinite=True)
+    x = jnp.array([9.0, 9, 9, 3.5, 9, 9, 2.5, 9])  # device 1 lane 1 at step 3; device 3 at 2
+    got["lane"] = report_is(lanes(x)[1].first_nonfinite, np_first_bad(x), lane=True)
+    # a vmap outside the spool: one search per run, each as it alone
+    batch = jnp.stack([one_bad, fine, two_bad])
+    reports = jax.vmap(spooled)(batch)[1].first_nonfinite
+    got["runs"] = [r == spooled(x)[1].first_nonfinite for r, x in zip(reports, batch)]
+    # an event before the shard_map is first: outside any device
+    before = eqx_logs.spool(
+        lambda x: (eqx_logs.log({"x0": jnp.log(x[0] - 9)}), sm(descending)(x))[1],
+        first_nonfinite=True,
+    )
+    report = before(one_bad)[1].first_nonfinite
+    got["before"] = report.key == "x0" and report.device is None and ", device" not in str(report)
+    # pmap: its devices in order; a 2x2 mesh: row-major over its axes
+    pm = eqx_logs.spool(
+        jax.pmap(lambda x: eqx_logs.log({"p": jnp.log(x)}), axis_name="i"), first_nonfinite=True
+    )
+    report = pm(jnp.array([[1.0], [2.0], [-1.0], [0.0]]))[1].first_nonfinite
+    got["pmap"] = report.key == "p" and report.device == 2
+    sm2 = jax.shard_map(descending, mesh=mesh2, in_specs=P(("a", "b")), out_specs=P(("a", "b")))
+    report = eqx_logs.spool(sm2, first_nonfinite=True)(two_bad)[1].first_nonfinite
+    got["mesh2"] = report_is(report, np_first_bad(two_bad))  # device 1: a=0, b=1
+    # Explicit mesh axes (`jax.make_mesh`'s default): the copies are laid out over the mesh
+    explicit = jax.make_mesh((4,), ("d",), axis_types=(jax.sharding.AxisType.Explicit,))
+    smx = jax.shard_map(descending, mesh=explicit, in_specs=P("d"), out_specs=P("d"))
+    x = jax.device_put(two_bad, jax.NamedSharding(explicit, P("d")))
+    report = jax.jit(eqx_logs.spool(smx, first_nonfinite=True))(x)[1].first_nonfinite
+    got["explicit"] = report_is(report, np_first_bad(two_bad))
+    return got
+
+
+@check("first_nonfinite_any")
+def _():
+    def body(x):  # `descending` with no log: the search checks `log`'s output
+        def step(c, i):
+            c = c - 1.0
+            return c, jnp.log(c)
+
+        return jax.lax.scan(step, x, jnp.arange(float(STEPS)))[1]
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(None, "d"))
+    spooled = eqx_logs.spool(f, first_nonfinite="any")
+    got = {}
+    for name, x in (("one", one_bad), ("two", two_bad), ("fine", fine)):
+        report = spooled(x)[1].first_nonfinite
+        want = np_first_bad(x)
+        got[f"{name}_jit"] = jax.jit(spooled)(x)[1].first_nonfinite == report
+        if want is None:
+            got[name] = report is None
+            continue
+        got[name] = (
+            report.device == want[0]
+            and report.iterations == (want[1],)
+            and report.operation == "log at shard_map[0]/scan[0]/log[0]"
+            and "devices_checks.py" in report.site
+            and report.key == "first_nonfinite/checked@d"
+        )
+    return got
+
+
 print(json.dumps(results))
 sys.exit(0)

@@ -143,3 +143,28 @@ def test_across_one_or_both_axes_of_a_two_dimensional_mesh(results):
 def test_across_an_axis_no_shard_map_has_is_an_error(results):
     message = _ok(results, "across")["typo"]
     assert message is not None and "'x'" in message and "['d']" in message
+
+
+@pytest.mark.parametrize("name", ["one", "two", "fine"])
+def test_first_nonfinite_names_the_lowest_device_that_found_one(results, name):
+    # device 2's block goes non-finite at step 3; in "two", devices 1 (step 4) and 3 (step 1):
+    # the devices run at once, the lowest-numbered is reported; numpy says which, eager and
+    # under jit alike
+    got = _ok(results, "first_nonfinite")
+    assert got["two_lowest_not_earliest"]
+    assert got[name] and got[f"{name}_jit"]
+
+
+@pytest.mark.parametrize("name", ["lane", "before", "pmap", "mesh2", "explicit"])
+def test_first_nonfinite_with_lanes_pmap_and_meshes(results, name):
+    assert _ok(results, "first_nonfinite")[name]
+
+
+def test_first_nonfinite_per_run_under_a_vmap_outside_the_spool(results):
+    assert _ok(results, "first_nonfinite")["runs"] == [True, True, True]
+
+
+@pytest.mark.parametrize("name", ["one", "two", "fine"])
+def test_first_nonfinite_any_looks_inside_the_shard_map(results, name):
+    got = _ok(results, "first_nonfinite_any")
+    assert got[name] and got[f"{name}_jit"]

@@ -630,21 +630,40 @@ def test_plant_errors():
 
 
 @fast
-def test_first_nonfinite_inside_a_shard_map_is_refused():
+def test_first_nonfinite_inside_a_shard_map_names_the_device():
+    # (on one device here; several, with the lowest-numbered reported: tests/test_devices.py)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
     P = jax.sharding.PartitionSpec
 
     def f(x):
         def body(x):
-            eqx_logs.log("x", x)
-            return x
+            def step(c, i):
+                eqx_logs.log("x", jnp.log(c), step=i)
+                return c - 1.0, None
+
+            return lax.scan(step, x, jnp.arange(4))[0]
 
         return jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P())(x)
 
-    with pytest.raises(ValueError, match=r"first_nonfinite=True\): key 'x' is logged inside"):
-        eqx_logs.spool(f, first_nonfinite=True)(jnp.ones(2))
-    _, logs = eqx_logs.spool(f)(jnp.ones(2))  # without it, as before
-    assert_close(logs["x"], [[[1.0, 1.0]]])
+    x = jnp.array([5.0, 2.5])  # log(c) is NaN from step 3 (numpy: c = 2.5 - 3 < 0)
+    want = next(i for i in range(4) if np.any(np.asarray(x) - i < 0))
+    _, logs = eqx_logs.spool(f, first_nonfinite=True)(x)
+    report = logs.first_nonfinite
+    assert (report.key, report.event, report.iterations, report.steps) == (
+        "x",
+        want,
+        (want,),
+        {"step": want},
+    )
+    assert report.device == 0 and report.lane is None
+    assert "loop iteration 3, device 0;" in str(report)
+    assert jax.jit(eqx_logs.spool(f, first_nonfinite=True))(x)[1].first_nonfinite == report
+    _, fine = eqx_logs.spool(f, first_nonfinite=True)(x + 10)
+    assert fine.first_nonfinite is None
+    _, logs = eqx_logs.spool(f)(x)  # the values as without the search
+    with np.errstate(invalid="ignore"):
+        want_x = np.log(np.asarray(x) - np.arange(4)[:, None])[:, None]  # (events, devices, 2)
+    assert_close(logs["x"], want_x)
 
 
 @fast

@@ -442,6 +442,31 @@ def test_any_operation_forward_against_numpy():
     assert fine.first_nonfinite is None
 
 
+@fast
+def test_any_operation_inside_a_shard_map_names_the_device():
+    # the body is checked on each device (one here; the lowest-numbered of several reported:
+    # tests/test_devices.py), under a key of its own; the input checked outside, as before
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("dev",))
+    P = jax.sharding.PartitionSpec
+    sharded = jax.shard_map(diverging, mesh=mesh, in_specs=P(), out_specs=P())
+    xs = jnp.array([1.0, 2.0, 0.5, -10.0, 3.0])
+    spooled = el.spool(sharded, first_nonfinite="any")
+    _, logs = spooled(xs)
+    report = logs.first_nonfinite
+    _, alone = el.spool(diverging, first_nonfinite="any")(xs)  # the same, outside any device
+    assert alone.first_nonfinite.device is None
+    assert report.iterations == alone.first_nonfinite.iterations == (3,)
+    assert report.operation == "log at shard_map[0]/scan[0]/log[0]" and report.device == 0
+    assert report.site == alone.first_nonfinite.site
+    assert report.key == "first_nonfinite/checked@dev"
+    assert "loop iteration 3, device 0;" in str(report)
+    assert jax.jit(spooled)(xs)[1].first_nonfinite == report
+    assert spooled(jnp.abs(xs))[1].first_nonfinite is None
+    _, given = spooled(xs.at[1].set(jnp.nan))  # an input: before the shard_map, on no device
+    assert given.first_nonfinite.operation == "the function's input 0"
+    assert given.first_nonfinite.device is None
+
+
 @jax.custom_vjp
 def _through(x):
     return x

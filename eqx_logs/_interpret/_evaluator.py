@@ -10,7 +10,7 @@ What rules may use (besides `eval`): `guard`, `snapshot`/`restored`, `on_device`
 `in_iteration`, `rule_name`; and the pieces `plan` (`_plan.py`: `count`), `lanes`
 (`_lane_context.py`), `manual` (`_manual.py`) and `handler` (`_handler.py`: its hooks `keys`,
 `settle`, `threadable`, `loop`/`entering_loop`/`iteration`, `streamed`,
-`device_states`/`device_blocks`).
+`device_inputs`/`device_states`/`device_blocks`/`device_outputs`).
 
 A handler makes its interpreter (`Handler.run` drives it); the interpreter holds no state of
 any handler's, and calls the handler only through the hooks `Handler` declares.

@@ -5,7 +5,7 @@ The interpreter evaluates equations and hands each log event to its handler (`ev
 takes those it `selects`, the others pass on), each `eqx_logs.sow` (`sown`) and statistics
 equation (`statistics`); rules thread the handler's
 states through loops, branches and calls, asking it which states a jaxpr updates (`keys`) and
-how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` pair in a
+how they travel (`settle`, `threadable`, `snapshot`/`restored`, the `device_*` hooks in a
 shard_map), telling it where loops begin (`loop`, `entering_loop`, `iteration`) and which keys
 a scan returns as its `ys` (`streamed`, a `Stream`). The defaults here thread no state and bind
 every equation as it is.
@@ -178,11 +178,27 @@ class Handler:
         del args
         return contextlib.nullcontext()
 
-    def device_states(self, states: dict[str, Any]) -> dict[str, Any]:
-        """A device's states, from its blocks of them (entering a shard_map's body)."""
+    def device_inputs(self, states: dict[str, Any], sizes: tuple[int, ...]) -> dict[str, Any]:
+        """The states entering a shard_map whose manual mesh axes have `sizes`, each with one
+        leading axis per mesh axis (a block per device). A key logged there has those axes
+        from its first state; a state that spans the shard_map gets them here."""
+        del sizes
+        return states
+
+    def device_states(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
+        """A device's states, from its blocks of them (entering a shard_map's body over
+        `naxes` axes)."""
+        del naxes
         return states
 
     def device_blocks(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
         """A device's blocks of its states (leaving a shard_map's body over `naxes` axes)."""
         del naxes
         return states
+
+    def device_outputs(self, entering: dict[str, Any], blocks: dict[str, Any]) -> dict[str, Any]:
+        """The states leaving a shard_map, from every device's `blocks` of them (`entering`:
+        as they entered it, before `device_inputs`): a key logged there keeps them per
+        device; a state that spans the shard_map merges them here."""
+        del entering
+        return blocks

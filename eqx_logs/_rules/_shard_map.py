@@ -15,14 +15,15 @@ def _shard_map_count(plan, eqn):
 
 def _shard_map_apply(interp, eqn, invals, states):
     body, mesh, in_specs, out_specs, axes, check_vma = _compat.shard_map_parts(eqn)
-    keys = interp.handler.keys(body)
+    handler = interp.handler
+    keys = handler.keys(body)
     # a key's states have one leading axis per mesh axis: each device gets its own block
     specs = {k: P(*axes) for k in keys}
 
     def per_device(args, sub):
         with interp.on_device(args, axes, check_vma):
-            outs, sub = interp.eval(body, args, interp.handler.device_states(sub))
-            sub = interp.handler.device_blocks(sub, len(axes))
+            outs, sub = interp.eval(body, args, handler.device_states(sub, len(axes)))
+            sub = handler.device_blocks(sub, len(axes))
         return tuple(outs), sub
 
     run = jax.shard_map(
@@ -33,10 +34,10 @@ def _shard_map_apply(interp, eqn, invals, states):
         axis_names=frozenset(axes),
         check_vma=check_vma,
     )
-    outs, sub = run(
-        tuple(invals), per_device_blocks(interp.handler.settle(states, keys), mesh, axes)
-    )
-    return list(outs), {**states, **sub}
+    entering = handler.settle(states, keys)
+    blocks = handler.device_inputs(entering, tuple(mesh.shape[a] for a in axes))
+    outs, sub = run(tuple(invals), per_device_blocks(blocks, mesh, axes))
+    return list(outs), {**states, **handler.device_outputs(entering, sub)}
 
 
 def per_device_blocks(states, mesh, axes: tuple[str, ...]):

@@ -143,7 +143,8 @@ class Tap(Handler):
         finally:
             self._lanes = lanes
 
-    def device_states(self, states):  # a device's counters: scalars
+    def device_states(self, states, naxes):  # a device's counters: scalars
+        del naxes
         return self.threadable({g: jnp.reshape(c, ()) for g, c in states.items()})
 
     def device_blocks(self, states, naxes):

@@ -10,5 +10,7 @@ from ._spec import (
     WATCH_TAG as WATCH_TAG,
     Watch as Watch,
     as_watch as as_watch,
+    checked_key as checked_key,
+    is_checked as is_checked,
     operation_of as operation_of,
 )

@@ -8,7 +8,9 @@ is checked, and the checks of each straight run of operations are one event unde
 as its step `OPERATION`, logged at a site that lists the run's operations (each with its
 address and the user's line). The spool's `first_nonfinite` search, which looks at every
 event in execution order, then reports the first of them (with the loop iterations, the
-vmap lane and the pass). An operation that only moves or selects values (`reshape`,
+vmap lane and the pass). Inside a shard_map each device checks its own operations, under a
+key of their own (`checked_key`: a key is logged under one set of mesh axes), and the search
+names the device. An operation that only moves or selects values (`reshape`,
 `select_n`, `max`, `tanh`, ...), or scales them by a literal of at most 1 (`0.5 * x`),
 cannot make a non-finite value of finite ones, so its output is not checked: where it is not
 finite, an input was, and that was checked first (or is an input of the program, checked
@@ -28,7 +30,7 @@ from jax import lax
 from .. import _compat
 from .._primitive import BACKWARD_TAG, bind, call_site
 from ._rewrite import LOOPS, Watcher, retraced
-from ._spec import CHECKED, OPERATION, WATCH_TAG, Watch
+from ._spec import OPERATION, WATCH_TAG, Watch, checked_key
 
 # Finite inputs give finite outputs: moving, selecting, comparing, bounded functions.
 _FINITE_PRESERVING = frozenset(
@@ -170,8 +172,22 @@ class _AnyNonfinite(Watcher):
         self.sentinels: dict[int, tuple[Any, str]] = {}  # id -> (value, "inf" | "nan")
         # how the equation being evaluated is checked: "all", "nan" (only) or None (not)
         self.check: str | None = "all"
+        self.mesh: tuple[str, ...] = ()  # the manual mesh axes of the shard_maps around it
 
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
+        if eqn.primitive.name != _compat.SHARD_MAP:
+            return self._checked(eqn, invals, path, outer, counters)
+        # a shard_map's body is checked on each device, its checks a key of their own (the
+        # spool's search keeps the lowest-numbered device that found one)
+        self.flush()  # (what was gathered before is checked outside)
+        mesh = self.mesh
+        self.mesh = (*mesh, *_compat.shard_map_parts(eqn)[4])
+        try:
+            return self._checked(eqn, invals, path, outer, counters)
+        finally:
+            self.mesh = mesh
+
+    def _checked(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
         written = {_sentinel(v) for v in eqn.invars} - {None}
         followed = {self.sentinels[id(x)][1] for x in invals if id(x) in self.sentinels}
         # An operation on a NaN or infinity written in the program makes a sentinel the code
@@ -194,14 +210,9 @@ class _AnyNonfinite(Watcher):
         name = eqn.primitive.name
         if name in _FINITE_PRESERVING or _widens(eqn) or _shrinks(eqn) or name in LOOPS:
             return False
-        if any(True for _ in _compat.sub_jaxprs(eqn.params)) and name != _compat.SHARD_MAP:
+        if any(True for _ in _compat.sub_jaxprs(eqn.params)):
             return False  # (what it contains is checked)
         return any(_inexact(v.aval) for v in eqn.outvars)
-
-    def descends(self, eqn: _compat.JaxprEqn) -> bool:
-        # a shard_map's body is not looked into (the search does not span devices yet):
-        # its outputs are checked as those of one operation
-        return eqn.primitive.name != _compat.SHARD_MAP and super().descends(eqn)
 
     def log(self, key: str, x: Any, site: str, eqn: _compat.JaxprEqn) -> Any:
         if jnp.issubdtype(x.dtype, jnp.inexact) and self.check is not None:
@@ -230,7 +241,8 @@ class _AnyNonfinite(Watcher):
         first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
         tags = (WATCH_TAG, BACKWARD_TAG) if self.pending[0][3] else (WATCH_TAG,)
         self.pending = []
-        bind({CHECKED: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
+        key = checked_key(self.mesh)
+        bind({key: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
 
 
 def checked(closed: Any, args: Sequence[Any]) -> Any:

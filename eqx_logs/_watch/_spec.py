@@ -128,3 +128,15 @@ def operation_of(site: str, steps: dict[str, int]) -> tuple[str, str]:
     """`(site, operation)` of the failing check of an event of `CHECKED` (its `site` and
     `steps`, `OPERATION` removed from them)."""
     return tuple(json.loads(site)[steps.pop(OPERATION)])
+
+
+def checked_key(mesh: tuple[str, ...]) -> str:
+    """The key of the checks of `first_nonfinite="any"` made inside shard_maps over the
+    manual mesh axes `mesh` (outermost first): `CHECKED` outside any, else `CHECKED@a,b`
+    (a key is logged under one set of mesh axes)."""
+    return f"{CHECKED}@{','.join(mesh)}" if mesh else CHECKED
+
+
+def is_checked(key: str) -> bool:
+    """Whether `key` is one of `checked_key`'s."""
+    return key == CHECKED or key.startswith(f"{CHECKED}@")

@@ -1,16 +1,19 @@
 """`Policy.first_nonfinite`: the first event, in execution order, whose value has a non-finite
-element, found on the device by a state threaded with the keys' states (under `FIRST`)."""
+element, found on the device by a state threaded with the keys' states (under `FIRST`).
+Through a shard_map each device threads a copy of it (`to_devices`); leaving it, the
+lowest-numbered device that found one gives its record (`from_devices`)."""
 
 import functools
+import math
 from typing import Any
 
 import jax.numpy as jnp
+import jax.tree_util as jtu
 import numpy as np
 
 from ... import _lanes
 from ..._primitive import BACKWARD_TAG
 from ..._stats import overflows
-from .._keys import site_list
 from ._store import Store
 
 # The state of `Policy.first_nonfinite`, threaded with the keys' states (`Spool.keys`).
@@ -25,18 +28,13 @@ class FirstNonfinite:
 
     def __init__(self, store: Store):
         info = self.info = store.info
-        if any(info[k].mesh for k in store.reductions):
-            keys = [k for k in store.reductions if info[k].mesh]
-            raise ValueError(
-                f"eqx_logs.spool(first_nonfinite=True): key {keys[0]!r} is logged inside a "
-                f"shard_map or pmap (at {site_list(info[keys[0]].sites)}), where "
-                "finding the first non-finite event is not supported yet. Spool inside the "
-                "shard_map, or check `logs[key]` for NaNs with `jnp.isfinite`."
-            )
+        self.manual = store.manual
         self.keys = {k: i for i, k in enumerate(store.reductions)}
         sites = (s for k in store.reductions for s in info[k].sites)
         self.sites = {s: i for i, s in enumerate(dict.fromkeys(sites))}
         self.steps = sorted({n for k in store.reductions for n in info[k].steps})
+        # whether a kept key is logged inside a shard_map or pmap: the record names the device
+        self.devices = any(info[k].mesh for k in store.reductions)
 
     def init(self) -> dict[str, Any]:
         record = {"found": np.bool_(False), "backward": np.bool_(False)}
@@ -44,7 +42,10 @@ class FirstNonfinite:
         record.update({f"step:{n}": np.int32(-1) for n in self.steps})
         record["iterations"] = np.full(MAX_LOOPS, -1, np.int32)
         # the iteration each enclosing loop is in now (not a field of the record)
-        return {"value": record, "loops": np.full(MAX_LOOPS, -1, np.int32)}
+        state = {"value": record, "loops": np.full(MAX_LOOPS, -1, np.int32)}
+        if self.devices:  # the device it happened on; the device evaluating now (-1: none)
+            record["device"] = state["device"] = np.int32(-1)
+        return state
 
     def enter(self, depth: int, states: dict[str, Any]) -> dict[str, Any]:
         if depth >= MAX_LOOPS or FIRST not in states:
@@ -81,6 +82,9 @@ class FirstNonfinite:
         lane = jnp.argmax(bad)
         state = states[key]
         before = jnp.asarray(state["seen"] if "seen" in state else state["count"])
+        mesh = self.manual.local_axes(self.info[key])
+        if mesh:  # inside a shard_map: the device's own count (its block: mesh axes of size 1)
+            before = jnp.reshape(before, jnp.shape(before)[mesh:])
         if self.info[key].lanes_as_events:  # one count for all lanes, in lane order
             event = before + lane
         else:
@@ -94,6 +98,8 @@ class FirstNonfinite:
             "depth": min(depth, MAX_LOOPS),
             "iterations": states[FIRST]["loops"],
         }
+        if self.devices:
+            record["device"] = states[FIRST]["device"]
         for name in self.steps:
             if name not in steps:
                 continue
@@ -105,6 +111,47 @@ class FirstNonfinite:
         out = {n: jnp.where(new, jnp.asarray(v, old[n].dtype), old[n]) for n, v in record.items()}
         found = jnp.logical_or(old["found"], hit)
         states[FIRST] = {**states[FIRST], "value": {**old, **out, "found": found}}
+
+    # -- through a shard_map (`Spool.device_*`) ----------------------------------------------
+
+    def to_devices(self, state: dict[str, Any], sizes: tuple[int, ...]) -> dict[str, Any]:
+        """`state` entering a shard_map whose manual mesh axes have `sizes`: a copy for each
+        device (leading axes `sizes`), with the device's number, row-major over those axes
+        (within the device of an enclosing shard_map: `outer * devices + own`)."""
+        copies = jtu.tree_map(lambda x: jnp.broadcast_to(x, sizes + jnp.shape(x)), state)
+        n = math.prod(sizes)
+        own = jnp.arange(n, dtype=jnp.int32).reshape(sizes)
+        outer = jnp.maximum(jnp.asarray(state["device"], jnp.int32), 0)
+        return {**copies, "device": outer * n + own}
+
+    def on_device(self, state: dict[str, Any], naxes: int) -> dict[str, Any]:
+        """A device's copy, from its block (its leading `naxes` axes of size 1)."""
+        return jtu.tree_map(lambda x: jnp.reshape(x, jnp.shape(x)[naxes:]), state)
+
+    def off_device(self, state: dict[str, Any], naxes: int) -> dict[str, Any]:
+        """A device's block of the copies, from its copy."""
+        return jtu.tree_map(lambda x: jnp.reshape(x, (1,) * naxes + jnp.shape(x)), state)
+
+    def from_devices(self, entering: dict[str, Any], copies: dict[str, Any]) -> dict[str, Any]:
+        """The state leaving a shard_map, from every device's copy: the devices run at once,
+        so where the state `entering` it had found none, the lowest-numbered device that
+        found one gives its record (if `entering` had, every copy holds that record)."""
+        record, devices = copies["value"], copies["device"]
+        nlead = jnp.ndim(devices)
+        lead = tuple(range(nlead))
+        none = jnp.iinfo(jnp.int32).max
+        lowest = jnp.min(jnp.where(record["found"], devices, none))
+        found = lowest != none
+        this = devices == lowest  # that device (where one found)
+
+        def pick(x, before):
+            mask = jnp.reshape(this, this.shape + (1,) * (x.ndim - nlead))
+            mask = jnp.broadcast_to(mask, x.shape)
+            got = jnp.sum(jnp.where(mask, x, jnp.zeros((), x.dtype)), lead, dtype=jnp.int32)
+            return jnp.where(found, got.astype(x.dtype), before)
+
+        value = jtu.tree_map(pick, record, entering["value"])
+        return {**entering, "value": value}
 
     def finish(self, state: dict[str, Any]) -> dict[str, Any]:
         return {n: jnp.asarray(x) for n, x in state.items()}

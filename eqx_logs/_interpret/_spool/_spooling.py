@@ -51,6 +51,29 @@ class Spool(Handler):
     ) -> dict[str, Any]:
         return self.store.settle(states, keys, arrays=arrays)
 
+    # The state that finds the first non-finite event spans a shard_map: each device takes a
+    # copy of it in, and the lowest-numbered device that found one gives it back.
+
+    def device_inputs(self, states: dict[str, Any], sizes: tuple[int, ...]) -> dict[str, Any]:
+        if FIRST not in states:
+            return states
+        return {**states, FIRST: self.first.to_devices(states[FIRST], sizes)}
+
+    def device_states(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
+        if FIRST not in states:
+            return states
+        return {**states, FIRST: self.first.on_device(states[FIRST], naxes)}
+
+    def device_blocks(self, states: dict[str, Any], naxes: int) -> dict[str, Any]:
+        if FIRST not in states:
+            return states
+        return {**states, FIRST: self.first.off_device(states[FIRST], naxes)}
+
+    def device_outputs(self, entering: dict[str, Any], blocks: dict[str, Any]) -> dict[str, Any]:
+        if FIRST not in blocks:
+            return blocks
+        return {**blocks, FIRST: self.first.from_devices(entering[FIRST], blocks[FIRST])}
+
     def streamed(self, body: Any, length: Any) -> Stream:
         if self.first is not None:  # each event needs its index in the key's events
             return Stream()
