@@ -355,16 +355,33 @@ def _():
     out, logs = jax.jit(eqx_logs.spool(smx(logged)))(x)
     _, mean = jax.jit(eqx_logs.spool(smx(logged), reduce="mean"))(x)
     _, total = jax.jit(eqx_logs.spool(smx(logged), reduce="mean", across="d"))(x)
+    # a stack across the devices (it failed: its buffer was not on their mesh)
+    _, stacked = eqx_logs.spool(smx(logged), reduce="stack", across="d")(x)
     _, big = eqx_logs.spool(smx(ragged))(x)
     mesh2x = jax.make_mesh((2, 2), ("a", "b"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
     f1 = partly_manual(mesh2x)
     _, logs1 = jax.jit(eqx_logs.spool(f1))(jax.device_put(x8, jax.NamedSharding(mesh2x, P("a"))))
+    # over one axis of two: each row of devices ("a") stacks its own ("b") in order
+    f2 = jax.shard_map(
+        lambda x: (eqx_logs.log({"m": x}), x * 2)[1],
+        mesh=mesh2x,
+        in_specs=P(("a", "b")),
+        out_specs=P(("a", "b")),
+    )
+    x2 = jax.device_put(x8, jax.NamedSharding(mesh2x, P(("a", "b"))))
+    _, rows = jax.jit(eqx_logs.spool(f2, reduce="stack", across="b"))(x2)
     return {
         "out": close(out, hand_out),
         "v": close(logs["v"], hand_v),
         "spec": spec_of(logs["s"]),
         "mean": close(mean["s"], s.mean(0)),
         "across": close(total["s"], s.mean()),
+        "across_stack": close(stacked["s"], s.T.reshape(-1))
+        and close(stacked["v"], hand_v.transpose(1, 0, 2).reshape(-1, 2))
+        and close(stacked.step["s"], np.tile(np.arange(3), 4)),
+        # (events first: the "b" devices' in order, then the rows "a")
+        "across_stack_2d": np.shape(rows["m"]) == (2, 2, 2)
+        and close(np.moveaxis(rows["m"], 1, 0).reshape(2, 4), np.asarray(x8).reshape(2, 4)),
         "ragged_counts": close(big.count["big"], (ragged_sums() > 2.5).sum(1)),
         "partial": close(logs1["m"], np.asarray(x8).reshape(2, 4).sum(-1)[None]),
     }

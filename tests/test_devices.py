@@ -70,6 +70,8 @@ def test_explicit_mesh_axes(results):
     assert got["spec"] == "P(None, 'd')"
     assert got["out"] and got["v"] and got["mean"] and got["across"]
     assert got["ragged_counts"] and got["partial"]
+    # a stack across Explicit axes: all of them, and one of two
+    assert got["across_stack"] and got["across_stack_2d"]
 
 
 def test_tap_calls_back_per_device_with_mesh_coordinates(results):

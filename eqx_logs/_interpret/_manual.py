@@ -103,6 +103,7 @@ def merge_across(
         for channel, reduction in channels.items():
             init = method(reduction, "init")(lane_struct(channel), bound)
             out = jtu.tree_map(lambda x: jnp.broadcast_to(x, rest + jnp.shape(x)), init)
+            out = _placed(out, state[channel], j, len(rest))
             merge = vmap_n(method(reduction, "merge"), nbatch - 1)
             parts = jtu.tree_map(lambda x: _unsharded(x, j, info.devices), state[channel])
             if not isinstance(size, int):  # a vmap's symbolic size (`jax.export`)
@@ -142,6 +143,22 @@ def _merge_scanned(merge: Callable, out: Any, parts: Any, axis: int) -> Any:
 
     size = jtu.tree_leaves(parts)[0].shape[0]
     return lax.scan(step, out, (parts, jnp.arange(size)))[0]
+
+
+def _placed(init: Any, state: Any, axis: int, nbatch: int) -> Any:
+    """A merge's first state `init` (with `nbatch` batch axes) laid out as the devices'
+    `state` is without its merged `axis`, where Explicit mesh axes type `state`: a stack
+    writes the devices' events into it, and an update must have its buffer's sharding."""
+
+    def place(x, like):
+        spec = _compat.explicit_spec(jax.typeof(like))
+        if spec is None:
+            return x
+        spec = (*spec[:axis], *spec[axis + 1 :])[:nbatch]
+        mesh = jax.typeof(like).sharding.mesh
+        return jax.reshard(x, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    return jtu.tree_map(place, init, state)
 
 
 def _unsharded(x: Any, axis: int, mesh: Any) -> Any:
