@@ -16,6 +16,7 @@ import atexit
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 os.environ["JAX_NUMPY_DTYPE_PROMOTION"] = "strict"
 os.environ["JAX_NUMPY_RANK_PROMOTION"] = "raise"
@@ -26,9 +27,34 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        return True
+    return True
+
+
+def _run_cache() -> str:
+    """A folder for the run's compilation cache, removed when the run ends; the folders of
+    runs that were killed (no exit handler ran) are removed when the next run starts."""
+    root = Path(tempfile.gettempdir())
+    for old in root.glob("eqx_logs-jax-cache-*"):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    folder = root / f"eqx_logs-jax-cache-{os.getpid()}"
+    shutil.rmtree(folder, ignore_errors=True)  # (a process of the same number, long gone)
+    folder.mkdir()
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return str(folder)
+
+
 if "EQX_LOGS_TEST_JAX_CACHE" not in os.environ:  # the run's first process (workers inherit it)
-    os.environ["EQX_LOGS_TEST_JAX_CACHE"] = tempfile.mkdtemp(prefix="eqx_logs-jax-cache-")
-    atexit.register(shutil.rmtree, os.environ["EQX_LOGS_TEST_JAX_CACHE"], ignore_errors=True)
+    os.environ["EQX_LOGS_TEST_JAX_CACHE"] = _run_cache()
 jax.config.update("jax_compilation_cache_dir", os.environ["EQX_LOGS_TEST_JAX_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
