@@ -179,7 +179,9 @@ class _AnyNonfinite(Watcher):
             return self._checked(eqn, invals, path, outer, counters)
         # a shard_map's body is checked on each device, its checks a key of their own (the
         # spool's search keeps the lowest-numbered device that found one)
-        self.flush()  # (what was gathered before is checked outside)
+        # what was gathered before it is checked outside, under the outer key (the base's
+        # flush before a nested jaxpr comes after `self.mesh` names the shard_map's axes)
+        self.flush()
         mesh = self.mesh
         self.mesh = (*mesh, *_compat.shard_map_parts(eqn)[4])
         try:
