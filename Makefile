@@ -35,12 +35,14 @@ PYTHON312 ?= $(shell command -v python3.12 >/dev/null 2>&1 && python3.12 --versi
 demo: .venv/.demo-installed
 	.venv/bin/python examples/train.py
 
-# The random-program oracles run in processes of their own: one process compiling every
-# test's programs once crashed inside XLA's compiler (jax 0.10.2, after ~800 tests).
+# The random-program oracles (their few long tests shared out one by one in their own run).
 ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # Two workers (pytest-xdist), each taking a whole test file at a time (so a file's
-# module-scoped fixtures, such as its Hydra runs, are made once); the oracles' few long
-# tests are shared out one by one.
+# module-scoped fixtures, such as its Hydra runs, are made once). `make test` runs the
+# oracles' share among the other files, in the same two workers: a second run of pytest
+# cost its own start and end (about 10 s). (Once, when one process ran the whole suite and
+# the oracles' full budget, XLA's compiler crashed late in it, jax 0.10.2: a worker now
+# compiles about half the suite and an eighth of that budget.)
 WORKERS = -n 2 --dist loadfile
 ORACLE_WORKERS = -n 2 --dist load
 # The slowest tests of each run, so that the suite's time stays where it is worth spending.
@@ -67,10 +69,7 @@ TEST_ENV = XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS))"
 ORACLES_FULL = EQX_LOGS_ORACLE_SHARE=1 EQX_LOGS_ORACLE_EXPLORE=1
 
 test: .venv/.installed
-	$(TEST_ENV) .venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS) \
-		$(addprefix --ignore=,$(ORACLES))
-	$(TEST_ENV) $(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) \
-		$(ORACLES)
+	$(TEST_ENV) $(ORACLES_SHARED) .venv/bin/python -m pytest -q $(DURATIONS) $(WORKERS)
 
 # The exploring run draws its programs from a seed fixed by the code it tests (eqx_logs/ and
 # tests/ as committed): a commit always meets the same programs, so a CI run can be replayed
@@ -85,8 +84,7 @@ test-fast: .venv/.installed
 	$(TEST_ENV) $(ORACLES_SHARED) .venv/bin/python -m pytest -q $(WORKERS) -m fast
 
 test312: .venv312/.installed
-	.venv312/bin/python -m pytest -q $(DURATIONS) $(WORKERS) $(addprefix --ignore=,$(ORACLES))
-	$(ORACLES_SHARED) .venv312/bin/python -m pytest -q $(DURATIONS) $(ORACLE_WORKERS) $(ORACLES)
+	$(ORACLES_SHARED) .venv312/bin/python -m pytest -q $(DURATIONS) $(WORKERS)
 
 # The mutation check (tests/mutations/): deliberate bugs in the engine, each of which the
 # engine's tests must catch (slow: a pytest run per mutation).

@@ -24,8 +24,9 @@ def devices_env(n: int) -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": f"{without_device_count()} {count}".strip()}
 
 
-# A training loop as a script writes it (the loggers' docstring examples): `LOGGER` is filled
-# in; the script prints "done" and nothing else of its own.
+# A training loop as a script writes it (the loggers' docstring examples), once with each
+# logger of `LOGGERS` (filled in); after each the script prints "done <i>" and nothing else of
+# its own.
 TRAINING_SCRIPT = """
 import equinox as eqx
 import jax
@@ -35,9 +36,6 @@ import optax
 import eqx_logs
 from eqx_logs.loggers import *
 
-model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
-optimizer = optax.sgd(0.1)
-opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
 x, y = jnp.array([0.5, -1.0]), jnp.array([0.25])
 
 
@@ -48,18 +46,24 @@ def train_step(model, opt_state, x, y, step):
     return eqx.apply_updates(model, updates), opt_state
 
 
-with LOGGER as logger:
-    step = logger.jit(train_step, logger.init(), interval=10)
-    for i in range(30):
-        model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
-print("done")
+for n, make in enumerate(LOGGERS):
+    model = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+    optimizer = optax.sgd(0.1)
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
+    with make() as logger:
+        step = logger.jit(train_step, logger.init(), interval=10)
+        for i in range(30):
+            model, opt_state = step(model, opt_state, x, y, jnp.int32(i))
+    print("done", n)
 """
 
 
-def run_training(logger: str, cwd, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """`TRAINING_SCRIPT` with `logger` (Python source), in a fresh Python on the CPU in
-    `cwd`: (stdout, stderr), once it has exited 0."""
-    code = TRAINING_SCRIPT.replace("LOGGER", logger)
+def run_training(loggers: list[str], cwd, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """`TRAINING_SCRIPT` with each of `loggers` (Python source) in turn, in one fresh Python on
+    the CPU in `cwd`: (stdout, stderr), once it has exited 0. What a logger prints comes
+    between the lines "done <i>" of the one before it and its own."""
+    makers = ", ".join(f"lambda: {logger}" for logger in loggers)
+    code = TRAINING_SCRIPT.replace("LOGGERS", f"[{makers}]")
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu", **(env or {})}
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],

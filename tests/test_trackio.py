@@ -138,7 +138,7 @@ def test_trackio_prints_nothing(tmp_path):
     wait...)" though nothing is uploaded), nothing on stderr; the run is written."""
     env = {"TRACKIO_DIR": str(tmp_path / "trackio"), "HF_HUB_OFFLINE": "1"}
     logger = 'TrackioLogger(project="demo", config={"lr": 0.1})'
-    assert run_training(logger, tmp_path, env) == ("done\n", "")
+    assert run_training([logger], tmp_path, env) == ("done 0\n", "")
     assert [p.name for p in (tmp_path / "trackio").glob("*.db")] == ["demo.db"]
 
 
