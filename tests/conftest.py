@@ -29,6 +29,12 @@ import pytest  # noqa: E402
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# Python's cycle collector less often: tracing and compiling make millions of objects, and
+# each full collection walks JAX's caches. Measured on tests/test_reductions.py and
+# test_masking.py (one process): 1.0 s collecting instead of 3.4 s, of 80 s; the same peak
+# memory (the cycles are still collected, in fewer passes).
+gc.set_threshold(20_000, 20, 20)
+
 
 def _running(pid: int) -> bool:
     try:

@@ -404,7 +404,7 @@ def _value(v) -> float:
     return float(v)  # JSONL writes NaN and infinities as the strings "nan", "inf", "-inf"
 
 
-def test_train_example_instrument_all(tmp_path, jax_cache):
+def test_train_example_instrument_all(tmp_path, jax_cache, capsys):
     proc, out = _train(tmp_path, jax_cache, "instrument=all")
     assert proc.returncode == 0, proc.stderr
     assert "instrumented: mean, std, rms, absmax, nonfinite of every submodule, gradients too" in (
@@ -461,17 +461,14 @@ def test_train_example_instrument_all(tmp_path, jax_cache):
                         got, want[stat], rtol=1e-4, atol=1e-5 * scale, err_msg=f"{p}/{stat} {step}"
                     )
 
-    # the plot command finds them: brackets in -k match themselves
+    # the plot command finds them: brackets in -k match themselves (the command's `main`, in
+    # this process: its own process is tests/test_plot.py's and test_config.py's)
+    from eqx_logs._plot import main as plot
+
     image = tmp_path / "layer0.png"
-    plot = subprocess.run(
-        [sys.executable, "-m", "eqx_logs", "plot", str(out), "-k", "layers[0]/*", "-o", str(image)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        timeout=120,
-    )
-    assert plot.returncode == 0, plot.stderr
-    assert f"wrote {image}: 10 keys, 10 curves from 1 file(s)" in plot.stdout
+    capsys.readouterr()
+    assert plot(["plot", str(out), "-k", "layers[0]/*", "-o", str(image)]) == 0
+    assert f"wrote {image}: 10 keys, 10 curves from 1 file(s)" in capsys.readouterr().out
     assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
