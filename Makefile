@@ -40,7 +40,7 @@ ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # Two workers (pytest-xdist), each taking a whole test file at a time (so a file's
 # module-scoped fixtures, such as its Hydra runs, are made once). `make test` runs the
 # oracles' share among the other files, in the same two workers: a second run of pytest
-# cost its own start and end (about 10 s). (Once, when one process ran the whole suite and
+# cost its own start and end (17 s collecting, 5 s ending). (Once, when one process ran the whole suite and
 # the oracles' full budget, XLA's compiler crashed late in it, jax 0.10.2: a worker now
 # compiles about half the suite and an eighth of that budget.)
 WORKERS = -n 2 --dist loadfile

@@ -1209,11 +1209,12 @@ def test_console_tap_prints_each_event(capsys):
 # --- quiet backends -------------------------------------------------------------------------
 
 
+# where each logger writes -> the logger
 QUIET = {
-    "jsonl": 'JsonlLogger("run.jsonl")',
-    "array": 'ArrayLogger("arrays")',
-    "tensorboard": 'TensorBoardLogger("tb", config={"lr": 0.1})',
-    "mlflow": 'MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1})',
+    "run.jsonl": 'JsonlLogger("run.jsonl")',
+    "arrays": 'ArrayLogger("arrays")',
+    "tb": 'TensorBoardLogger("tb", config={"lr": 0.1})',
+    "mlflow.db": 'MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1})',
 }
 
 
@@ -1225,7 +1226,7 @@ def test_a_training_loop_prints_what_it_prints(tmp_path):
     out, err = run_training(list(QUIET.values()), tmp_path)
     assert out.splitlines() == [f"done {i}" for i in range(len(QUIET))]
     assert err == ""
-    for written in ("run.jsonl", "arrays", "tb", "mlflow.db"):
+    for written in QUIET:
         path = tmp_path / written
         assert path.is_file() or any(p.is_file() for p in path.rglob("*")), written
 
