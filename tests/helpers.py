@@ -18,6 +18,15 @@ def without_device_count() -> str:
     return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f)
 
 
+def user_env() -> dict[str, str]:
+    """This process's environment less `make test`'s LLVM -O0 (the Makefile's `TEST_XLA_FLAGS`),
+    for a subprocess whose printed numbers must be what a user's default compile prints: -O0
+    fuses no multiply-add, and a float's last bit can differ."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    kept = " ".join(f for f in flags if not f.startswith("--xla_backend_optimization_level"))
+    return {**os.environ, "XLA_FLAGS": kept}
+
+
 def devices_env(n: int) -> dict[str, str]:
     """This process's environment for a subprocess with `n` CPU devices."""
     count = f"--xla_force_host_platform_device_count={n}"

@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import yaml
+from helpers import user_env
 
 import eqx_logs
 import eqx_logs.config
@@ -217,7 +218,8 @@ def test_each_page_runs_alone_and_prints_what_it_claims(page, tmp_path, jax_cach
         capture_output=True,
         text=True,
         cwd=tmp_path,  # what a page writes stays out of the checkout
-        env={**os.environ, "PYTHONPATH": str(ROOT), **jax_cache},  # this checkout's eqx_logs
+        # this checkout's eqx_logs, compiled as a user's is (the printed numbers are theirs)
+        env={**user_env(), "PYTHONPATH": str(ROOT), **jax_cache},
         timeout=600,
     )
     assert result.returncode == 0, f"{page}:\n{result.stderr[-4000:]}"

@@ -65,7 +65,9 @@ def test_nelder_mead_spool_inside_the_users_vmap_is_per_lane(reduce):
         solo_out, solo = el.spool(_nelder_mead, reduce=red)(t)
         assert_close(out[i], solo_out, f"solution {i}")
         np.testing.assert_array_equal(logs.count["y"][i], solo.count["y"])
-        np.testing.assert_allclose(logs["y"][i], solo["y"], rtol=1e-6, equal_nan=True)
+        # (to a float's last bits, through the simplex's ~100 steps: XLA compiles the batched
+        # arithmetic apart, and at `make test`'s -O0 rounds it differently)
+        np.testing.assert_allclose(logs["y"][i], solo["y"], rtol=1e-4, equal_nan=True)
     assert int(np.max(logs.count["y"])) > 10  # every evaluation counted, not just one
 
 
