@@ -262,9 +262,20 @@ def _():
         "first": s[0, 0],
         "last": s[-1, -1],
     }
+
+    # one program: `logged`'s "s" under each reduction's name, a rule per key
+    def copies(x):
+        def step(c, i):
+            c = scan_body(c, i)
+            eqx_logs.log({name: c.sum() for name in want}, step=i.astype(jnp.int32))
+            return c, None
+
+        return jax.lax.scan(step, x, jnp.arange(3.0))[0]
+
+    policy = eqx_logs.Policy(rules={name: name for name in want})
+    _, logs = jax.jit(eqx_logs.spool(sm(copies), policy=policy, across="d"))(x8)
     for name, ref in want.items():
-        _, logs = jax.jit(eqx_logs.spool(sm(logged), reduce=name, across="d"))(x8)
-        got[name] = close(logs["s"], ref)
+        got[name] = close(logs[name], ref)
     _, logs = eqx_logs.spool(sm(logged), across=("d",))(x8)
     got["count_total"] = int(logs.count["s"]) == s.size
     got["v"] = close(logs["v"], v.transpose(1, 0, 2).reshape(-1, 2))
@@ -572,9 +583,10 @@ def _():
     jitted = jax.jit(spooled)
     got, reports = {}, {}
     for name, x in (("one", one_bad), ("two", two_bad), ("fine", fine)):
-        report = reports[name] = spooled(x)[1].first_nonfinite
+        report = reports[name] = jitted(x)[1].first_nonfinite
         got[name] = report_is(report, np_first_bad(x))
-        got[f"{name}_jit"] = jitted(x)[1].first_nonfinite == report
+    # eager as jitted (once: each eager call traces the whole search again)
+    got["two_eager"] = spooled(two_bad)[1].first_nonfinite == reports["two"]
     got["two_lowest_not_earliest"] = np_first_bad(two_bad)[:2] == (1, 4)
     lanes = eqx_logs.spool(sm(descending_lanes), first_nonfinite=True)
     x = jnp.array([9.0, 9, 9, 3.5, 9, 9, 2.5, 9])  # device 1 lane 1 at step 3; device 3 at 2
@@ -619,11 +631,11 @@ def _():
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P("d"), out_specs=P(None, "d"))
     spooled = eqx_logs.spool(f, first_nonfinite="any")
-    got = {}
+    jitted = jax.jit(spooled)
+    got = {"two_eager": spooled(two_bad)[1].first_nonfinite == jitted(two_bad)[1].first_nonfinite}
     for name, x in (("one", one_bad), ("two", two_bad), ("fine", fine)):
-        report = spooled(x)[1].first_nonfinite
+        report = jitted(x)[1].first_nonfinite
         want = np_first_bad(x)
-        got[f"{name}_jit"] = jax.jit(spooled)(x)[1].first_nonfinite == report
         if want is None:
             got[name] = report is None
             continue
