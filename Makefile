@@ -42,7 +42,7 @@ ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # oracles' share among the other files, in the same two workers: a second run of pytest
 # cost its own start and end (17 s collecting, 5 s ending). (Once, when one process ran the whole suite and
 # the oracles' full budget, XLA's compiler crashed late in it, jax 0.10.2: a worker now
-# compiles about half the suite and an eighth of that budget.)
+# compiles about half the suite and a sixteenth of that budget.)
 WORKERS = -n 2 --dist loadfile
 ORACLE_WORKERS = -n 2 --dist load
 # The slowest tests of each run, so that the suite's time stays where it is worth spending.
@@ -52,7 +52,7 @@ DURATIONS = --durations=15
 # the full budget on new programs each run, keeping the failing ones in .hypothesis/ (replayed
 # first next time). `make test ORACLE_SHARE=1` replays the full derandomized budget. The
 # mutation check replays a quarter of it, as it did when its table was first measured.
-ORACLE_SHARE ?= 0.125
+ORACLE_SHARE ?= 0.0625
 ORACLES_SHARED = EQX_LOGS_ORACLE_SHARE=$(ORACLE_SHARE) EQX_LOGS_ORACLE_EXPLORE=0
 # The suite compiles some ten thousand small programs and runs most of them once: it waits
 # mostly for XLA's CPU compiler (measured with jax.monitoring on a whole run: 5,500 programs
