@@ -40,9 +40,9 @@ ORACLES = tests/test_oracle.py tests/test_tap_oracle.py
 # Two workers (pytest-xdist), each taking a whole test file at a time (so a file's
 # module-scoped fixtures, such as its Hydra runs, are made once). `make test` runs the
 # oracles' share among the other files, in the same two workers: a second run of pytest
-# cost its own start and end (17 s collecting, 5 s ending). (Once, when one process ran the whole suite and
-# the oracles' full budget, XLA's compiler crashed late in it, jax 0.10.2: a worker now
-# compiles about half the suite and a sixteenth of that budget.)
+# cost its own start and end (17 s collecting, 5 s ending). (Once, when one process ran the
+# whole suite and the oracles' full budget, XLA's compiler crashed late in it, jax 0.10.2: a
+# worker now compiles about half the suite and a sixteenth of that budget.)
 WORKERS = -n 2 --dist loadfile
 ORACLE_WORKERS = -n 2 --dist load
 # The slowest tests of each run, so that the suite's time stays where it is worth spending.
@@ -63,9 +63,9 @@ ORACLES_SHARED = EQX_LOGS_ORACLE_SHARE=$(ORACLE_SHARE) EQX_LOGS_ORACLE_EXPLORE=0
 # test_masking.py: 0.90x the wall time at -O0 (0.99x at -O1). -O0 does not fuse a multiply and
 # an add into one instruction, so a float result can differ in its last bit from a user's
 # default compile: the docs' pages, whose printed numbers must be what a user sees, run at
-# the user's level (`helpers.user_env`), and a test comparing two compiled programs compares
-# them to a float tolerance, not bit for bit. `make test-oracles` runs at XLA's defaults, and
-# `make test TEST_XLA_FLAGS=` runs the whole suite at them.
+# the user's level (`helpers.user_env`), and a test comparing two compiled programs bit for
+# bit compiles them at XLA's default level (`helpers.at_default_level`). `make test-oracles`
+# runs at XLA's defaults, and `make test TEST_XLA_FLAGS=` runs the whole suite at them.
 TEST_XLA_FLAGS ?= --xla_cpu_use_fusion_emitters=false --xla_llvm_disable_expensive_passes=true \
 	--xla_backend_optimization_level=0
 TEST_ENV = XLA_FLAGS="$(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS))"

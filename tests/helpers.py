@@ -27,6 +27,18 @@ def user_env() -> dict[str, str]:
     return {**os.environ, "XLA_FLAGS": kept}
 
 
+def at_default_level(f):
+    """`jax.jit(f)`, compiled at XLA's default optimization level whatever `make test`'s
+    `XLA_FLAGS` say (its LLVM -O0 rounds a float's last bit differently): for a test that
+    compares two compiled programs bit for bit, as a user's default compile gives them."""
+    import jax
+
+    def call(*args):
+        return jax.jit(f).lower(*args).compile({"xla_backend_optimization_level": 3})(*args)
+
+    return call
+
+
 def devices_env(n: int) -> dict[str, str]:
     """This process's environment for a subprocess with `n` CPU devices."""
     count = f"--xla_force_host_platform_device_count={n}"
