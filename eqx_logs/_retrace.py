@@ -115,8 +115,22 @@ def _message(who: str, fun: str, count: int, name: str, x: Any, some: list, seco
         f"{who}: {fun} was compiled {count} times so far, taking {took} s, once for each new "
         f"value of the Python {type(x).__name__} `{name}` ({some}, ...). Arguments are "
         "filtered as by `eqx.filter_jit`: a Python scalar is static, so each new value "
-        f"compiles the function again. Pass an array, `{array}({name})`, to compile it once."
+        f"compiles the function again. {_remedy(who, name, x, array)}"
     )
+
+
+def _remedy(who: str, name: str, x: Any, array: str) -> str:
+    """What to write instead: for `logger.jit`'s int parameter, `step=` first (passed traced,
+    and the steps an interval skips run without their logs), as the README says."""
+    if who == "logger.jit" and type(x) is int and name.isidentifier():
+        return (
+            f"If `{name}` is the training step, name it, `logger.jit(fun, state, "
+            f'step="{name}")`: it is then passed traced (one compilation for every value), '
+            f"it is the step of the events logged without one, and with an interval the "
+            f"steps it skips run without their logs. Otherwise pass an array, "
+            f"`{array}({name})`, to compile it once."
+        )
+    return f"Pass an array, `{array}({name})`, to compile it once."
 
 
 def fun_key(fun: Callable) -> Hashable:

@@ -747,3 +747,82 @@ def test_no_older_output_is_held_between_the_kept_and_the_skipped_steps(tmp_path
         assert held and all(id(a) in latest for a in held if eqx.is_array(a))
     rows = read_jsonl(tmp_path / "a.jsonl")
     assert [r["step"] for r in rows] == [0, 4, 8]
+
+
+def test_a_step_left_to_its_default_is_bound_as_the_function_binds_it(tmp_path):
+    """`logger.jit(step, state, step="i")` of `def step(w, x, i=0)` called `step(w, x)`: the
+    step is the default, 0 (it was refused as a call passing no `i`); passed by position or
+    keyword, the value passed. The interval's gate reads the same step: the default is kept,
+    step 3 skipped; a keyword-only step with a default too. Rows against numpy."""
+    traces = []
+
+    def step(w, x, i=0):
+        traces.append(i)
+        eqx_logs.log("loss", jnp.sum(w * x))
+        return w * jnp.float32(0.5)
+
+    def keyword_only(w, *, i=5):
+        eqx_logs.log("w", jnp.sum(w))
+        return w
+
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        stepped = logger.jit(step, logger.init(), step="i", interval=2)
+        w, x = jnp.ones(2, jnp.float32), jnp.full(2, 2.0, jnp.float32)
+        for call in ("default", "default", "3", "i=4"):
+            args = {"default": (), "3": (3,)}.get(call, ())
+            w = stepped(w, x, *args, **({"i": 4} if call == "i=4" else {}))
+        logger.jit(keyword_only, logger.init(), step="i")(jnp.ones(2, jnp.float32))
+    want_w, want = np.ones(2, np.float32), []
+    for i in (0, 0, 3, 4):
+        if i % 2 == 0:
+            want.append(("loss", i, float(np.sum(want_w * 2.0))))
+        want_w = want_w * np.float32(0.5)
+    assert_rows(rows(tmp_path / "a.jsonl"), want + [("w", 5, 2.0)])
+    np.testing.assert_allclose(w, want_w)
+    assert len(traces) == 2  # the kept steps' program and the skipped steps', once each
+
+
+@pytest.mark.parametrize("wrong", ["logger.init", "logger", "0", "None", "missing"])
+def test_a_wrong_or_missing_state_names_logger_init(tmp_path, wrong):
+    """`logger.jit(step, logger.init)` (no parentheses), the logger, `0`, `None` or no state
+    at all: a TypeError naming what was passed and `logger.init()` (it was `AttributeError:
+    'BoundMethod' object has no attribute 'run'`, or Python's missing-argument error)."""
+    logger = JsonlLogger(tmp_path / "a.jsonl")
+    state = {"logger.init": logger.init, "logger": logger, "0": 0, "None": None}.get(wrong)
+    said = {
+        "logger.init": "got `logger.init`, the method itself: call it, `logger.init()`",
+        "logger": "got a logger (a JsonlLogger), not its state",
+        "0": "got an int, 0.",
+        "None": "got None.",
+        "missing": "got no state.",
+    }[wrong]
+    for method in ("jit", "spool", "tap"):
+        make = getattr(logger, method)
+        with pytest.raises(TypeError) as info:
+            make(train_step) if wrong == "missing" else make(train_step, state)
+        message = str(info.value)
+        assert message.startswith(f"JsonlLogger.{method}(fun, state) takes"), message
+        assert said in message and f"Write `logger.{method}(fun, logger.init())`" in message
+    logger.close()
+
+
+def _int_step(w, i):
+    eqx_logs.log("w", jnp.sum(w), step=i)
+    return w
+
+
+def test_the_python_int_warning_of_logger_jit_recommends_step_first(tmp_path):
+    """A Python-int `i` compiled in at each value (`logger.jit` without `step=`): the warning
+    recommends `step="i"` first, as the README does, then `jnp.int32(i)`."""
+    with JsonlLogger(tmp_path / "a.jsonl") as logger:
+        stepped = logger.jit(_int_step, logger.init())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(4):
+                stepped(jnp.ones(2), i)
+    said = [str(w.message) for w in caught if "compiled" in str(w.message)]
+    assert len(said) == 1, said
+    message = said[0]
+    first = message.index('name it, `logger.jit(fun, state, step="i")`')
+    assert first < message.index("Otherwise pass an array, `jnp.int32(i)`"), message
+    assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 1, 2, 3]

@@ -38,6 +38,17 @@ from ._writer import ON_FULL, STALL_TIMEOUT
 _T = TypeVar("_T")
 
 
+class _NoState:
+    """The default of `logger.jit`'s (`spool`'s, `tap`'s) state: none given, refused naming
+    `logger.init()` (rather than by Python's missing-argument error)."""
+
+    def __repr__(self) -> str:
+        return "<required>"
+
+
+NO_STATE: Any = _NoState()
+
+
 class AbstractLogger(eqx.Module):
     """Writes logs to a backend. Loggers are Equinox modules.
 
@@ -211,7 +222,7 @@ class AbstractLogger(eqx.Module):
     def spool(
         self,
         fun: Callable[..., _T],
-        state: LoggerState,
+        state: LoggerState = NO_STATE,
         /,
         *,
         policy: Policy | None = None,
@@ -238,7 +249,7 @@ class AbstractLogger(eqx.Module):
     def tap(
         self,
         fun: Callable[..., _T],
-        state: LoggerState,
+        state: LoggerState = NO_STATE,
         /,
         *,
         policy: Policy | None = None,
@@ -269,7 +280,7 @@ class AbstractLogger(eqx.Module):
     def jit(
         self,
         fun: Callable[..., _T],
-        state: LoggerState,
+        state: LoggerState = NO_STATE,
         /,
         *,
         donate: Donate = "none",
@@ -454,7 +465,10 @@ def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> Non
     """`logger.<method>(fun, state)` writes each call's logs to the one run of `state`: a
     state of many runs (`jax.vmap(logger.init)(...)`, not mapped by a `vmap` around the call)
     is refused here, once, rather than by the writer thread at the first call. (The state is
-    fixed when the step is made: its calls need no check.)"""
+    fixed when the step is made: its calls need no check.) Anything but a `LoggerState` is
+    refused naming `logger.init()`."""
+    if not isinstance(state, LoggerState):
+        raise TypeError(_not_a_state(logger, method, state))
     shape = np.shape(state.run)
     if not shape:
         return
@@ -466,6 +480,28 @@ def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> Non
         f"states mapped, one run per lane: `jax.vmap(lambda state, x: logger.{method}(fun, "
         "state)(x))(states, xs)`; or make the state of one run with `logger.init()` (or "
         "`logger.init(run)`) outside `vmap`."
+    )
+
+
+def _not_a_state(logger: AbstractLogger, method: str, state: Any) -> str:
+    name = f"{type(logger).__name__}.{method}"
+    write = f"`logger.{method}(fun, logger.init())`"
+    if state is NO_STATE:
+        got = "no state"
+    elif getattr(state, "__self__", None) is logger or (
+        callable(state) and getattr(state, "__name__", None) == "init"
+    ):
+        got = "`logger.init`, the method itself: call it, `logger.init()`"
+    elif isinstance(state, AbstractLogger):
+        got = f"a logger (a {type(state).__name__}), not its state"
+    else:
+        kind = type(state).__name__
+        an = "an" if kind[:1].lower() in "aeiou" else "a"
+        got = "None" if state is None else f"{an} {kind}, {state!r}"[:200]
+    return (
+        f"{name}(fun, state) takes the function, then the logger's state, a `LoggerState` "
+        f"made by `logger.init()` (the run the logs go to; `logger.init(run)` for another "
+        f"run); got {got}. Write {write}."
     )
 
 

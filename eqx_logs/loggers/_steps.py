@@ -35,19 +35,29 @@ _MISSING = object()
 
 class StepArg:
     """Where the step is among a call's arguments: the parameter `name` of the function, at
-    position `index` when it can be passed by position."""
+    position `index` when it can be passed by position, and its `default` (`_MISSING` if it
+    has none): a call that leaves the step out has the default as its step, as the function
+    itself binds it (`def step(w, x, i=0)`, called `step(w, x)`: step 0)."""
 
-    __slots__ = ("name", "index")
+    __slots__ = ("name", "index", "default")
 
-    def __init__(self, name: str, index: int | None):
-        self.name, self.index = name, index
+    def __init__(self, name: str, index: int | None, default: Any = _MISSING):
+        self.name, self.index, self.default = name, index, default
 
     # (compared by value: a static field of the compiled function, which equal functions share)
+    def _key(self) -> tuple:
+        default = self.default
+        try:
+            hash(default)
+        except TypeError:  # (a default that cannot be hashed: compared by identity)
+            default = id(default)
+        return (self.name, self.index, type(self.default), default)
+
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, StepArg) and (self.name, self.index) == (other.name, other.index)
+        return isinstance(other, StepArg) and self._key() == other._key()
 
     def __hash__(self) -> int:
-        return hash((StepArg, self.name, self.index))
+        return hash((StepArg, self._key()))
 
     @classmethod
     def of(cls, fun: Callable, name: str, where: str) -> "StepArg":
@@ -67,32 +77,40 @@ class StepArg:
             )
         positional = (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD)
         index = list(parameters).index(name) if parameter.kind in positional else None
-        return cls(name, index)
+        default = _MISSING if parameter.default is parameter.empty else parameter.default
+        return cls(name, index, default)
 
     def shifted(self, by: int) -> "StepArg":
         """The same parameter, with `by` arguments put in front of the call's."""
-        return StepArg(self.name, None if self.index is None else self.index + by)
+        index = None if self.index is None else self.index + by
+        return StepArg(self.name, index, self.default)
 
     def peek(self, args: tuple, kwargs: dict) -> Any:
-        """The step's value in a call (`_MISSING` if it is not passed)."""
+        """The step's value in a call: its argument, else the parameter's default
+        (`_MISSING` if it has none)."""
         if self.index is not None and len(args) > self.index:
             return args[self.index]
-        return kwargs.get(self.name, _MISSING)
+        return kwargs.get(self.name, self.default)
 
     def take(self, args: tuple, kwargs: dict, where: str) -> tuple[Any, tuple, dict]:
-        """The step's value and the call's arguments with None in its place."""
+        """The step's value and the call's arguments with None in its place (a step left to
+        its default: the default, and None passed in its place)."""
         i = self.index
         if i is not None and len(args) > i:
             return args[i], (*args[:i], None, *args[i + 1 :]), kwargs
         if self.name not in kwargs:
-            raise self.missing(where)
+            if self.default is _MISSING:
+                raise self.missing(where)
+            if i == len(args):  # (by position: the call compiles what `step(w, x, 0)` did)
+                return self.default, (*args, None), kwargs
+            return self.default, args, {**kwargs, self.name: None}
         kwargs = dict(kwargs)
         return kwargs.pop(self.name), args, {**kwargs, self.name: None}
 
     def missing(self, where: str) -> TypeError:
         return TypeError(
-            f"{where}(step={self.name!r}): the call passes no argument {self.name!r}. Pass "
-            "the step at every call."
+            f"{where}(step={self.name!r}): the call passes no argument {self.name!r}, and "
+            "the parameter has no default. Pass the step at every call."
         )
 
     def put(self, args: tuple, kwargs: dict, value: Any) -> tuple[tuple, dict]:
