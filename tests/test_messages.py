@@ -6,10 +6,12 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
 import eqx_logs
+import eqx_logs.loggers
 
 pytestmark = pytest.mark.fast
 
@@ -253,3 +255,93 @@ def test_jax_jit_of_a_wrapper_with_a_non_array_argument_says_call_it_directly(tm
     logger.close()
     if form.startswith("logger."):
         assert [r["value"] for r in read_jsonl(tmp_path / "l.jsonl")] == [6.0]
+
+
+def _logs_four(x):
+    for i in range(4):
+        eqx_logs.log({"loss": x + i})
+    return x
+
+
+def _logs_with_the_class(x):
+    eqx_logs.log({"loss": x}, reduce=eqx_logs.Mean)  # site-class
+    return x
+
+
+def _logger_spool(**options):
+    logger = eqx_logs.loggers.ConsoleLogger()
+    return logger.spool(_logs_four, logger.init(), **options)
+
+
+CLASS_GIVEN = {
+    "spool": ("eqx_logs.spool(reduce)", lambda: eqx_logs.spool(_logs_four, reduce=eqx_logs.Mean)),
+    "Policy": ("Policy(reduce)", lambda: eqx_logs.Policy(reduce=eqx_logs.Mean)),
+    "replace": ("Policy(reduce)", lambda: eqx_logs.Policy().replace(reduce=eqx_logs.Mean)),
+    "rules": (
+        "eqx_logs.spool(rules['loss'])",
+        lambda: eqx_logs.spool(_logs_four, rules={"loss": eqx_logs.Mean}),
+    ),
+    "logger.spool": ("logger.spool(reduce)", lambda: _logger_spool(reduce=eqx_logs.Mean)),
+    "log": (
+        f"test_messages.py:{_line_of('# site-class')} (_logs_with_the_class): reduce",
+        lambda: eqx_logs.spool(_logs_with_the_class)(1.0),
+    ),
+    "Window": ("eqx_logs.Window: inner", lambda: eqx_logs.Window(2, eqx_logs.Mean)),
+    "Fanout": ("eqx_logs.Fanout: mean", lambda: eqx_logs.Fanout(mean=eqx_logs.Mean)),
+}
+
+
+@pytest.mark.parametrize("where, call", CLASS_GIVEN.values(), ids=list(CLASS_GIVEN))
+def test_a_reductions_class_says_did_you_mean_an_instance(where, call):
+    """`reduce=eqx_logs.Mean` (the class): every option that takes a reduction says what to
+    write (`as_reduction`, the one place they all pass through), naming the option (at the
+    call that takes it, before any tracing but `log`'s own); what it says to write gives
+    numpy's mean."""
+    with pytest.raises(ValueError) as info:
+        call()
+    msg = str(info.value)
+    assert f"{where}=eqx_logs.Mean is a class, not a reduction" in msg, msg
+    assert "did you mean `eqx_logs.Mean()`?" in msg, msg
+    meant = eval(msg.split("did you mean `")[1].split("`")[0], {"eqx_logs": eqx_logs})
+    _, logs = eqx_logs.spool(_logs_four, reduce=meant)(jnp.float32(1.0))
+    assert float(logs["loss"]) == np.mean([1.0, 2.0, 3.0, 4.0])
+
+
+def test_a_reductions_class_with_arguments_names_them():
+    with pytest.raises(ValueError, match=r"did you mean `eqx_logs\.EMA\(decay=\.\.\.\)`\?"):
+        eqx_logs.spool(_logs_four, reduce=eqx_logs.EMA)
+    with pytest.raises(ValueError, match=r"`eqx_logs\.Histogram\(bins=\.\.\., range=\.\.\.\)`"):
+        eqx_logs.Policy(rules={"loss": eqx_logs.Histogram})
+    with pytest.raises(
+        ValueError, match=r"\(reduce\)='meen' is not a reduction: did you mean 'mean'"
+    ):
+        eqx_logs.spool(_logs_four, reduce="meen")
+
+
+WINDOW_SWAPPED = {  # Window's arguments, what the message says of them, what it says to write
+    "name": (("mean", 2), "size='mean', inner=2): the arguments are swapped", "Window(2, 'mean')"),
+    "reduction": ((eqx_logs.Max(), 2), "size=Max(), inner=2): the arguments", "Window(2, Max())"),
+    "class": ((eqx_logs.Max, 2), "size=eqx_logs.Max, inner=2): the", "Window(2, eqx_logs.Max())"),
+    "size left out": (
+        ("max",),
+        "size='max', inner='mean'): the window's size",
+        "Window(100, 'max')",
+    ),
+}
+
+
+@pytest.mark.parametrize("args, said, meant", WINDOW_SWAPPED.values(), ids=list(WINDOW_SWAPPED))
+def test_window_with_its_arguments_swapped_says_so(args, said, meant):
+    """`Window("mean", 2)`: Window's signature is `Window(size, inner)`; the message says the
+    order to write, and what it says to write reduces each window as numpy does."""
+    with pytest.raises(ValueError) as info:
+        eqx_logs.Window(*args)
+    msg = str(info.value)
+    assert said in msg and f"`{meant}`" in msg, msg
+    assert "`Window(size, inner='mean', capacity=None)`" in msg, msg
+    window = eval(meant, {"Window": eqx_logs.Window, "Max": eqx_logs.Max, "eqx_logs": eqx_logs})
+    _, logs = eqx_logs.spool(_logs_four, reduce=window)(jnp.float32(1.0))
+    events = np.array([1.0, 2.0, 3.0, 4.0])
+    inner = np.max if "ax" in meant else np.mean
+    want = [inner(events[i : i + window.size]) for i in range(0, 4, window.size)]
+    np.testing.assert_allclose(np.asarray(logs["loss"]), want)

@@ -10,7 +10,7 @@ import jax.tree_util as jtu
 
 from .._checks import check_count
 from ._buffers import NeedsBound, Stack, check_capacity
-from ._names import as_reduction
+from ._names import as_reduction, is_reduction_like, public_name
 from ._reductions import AbstractReduction, select_valid
 
 
@@ -44,8 +44,10 @@ class Window(AbstractReduction):
     event_axes: ClassVar[int] = 1
 
     def __init__(self, size: int, inner: Any = "mean", capacity: int | None = None):
+        if is_reduction_like(size):  # `Window("mean", 100)`: the order of `Window(100, "mean")`
+            _swapped(size, inner)
         self.size = size
-        self.inner = as_reduction(inner)
+        self.inner = as_reduction(inner, where="eqx_logs.Window: inner")
         self.capacity = capacity
 
     def __check_init__(self):
@@ -114,6 +116,24 @@ class Window(AbstractReduction):
         return stack.finalize(windows)
 
 
+def _swapped(size: Any, inner: Any) -> None:
+    """The error for a reduction given as `Window`'s first argument, the window's size."""
+
+    def shown(value: Any) -> str:
+        return public_name(value) if isinstance(value, type) else repr(value)
+
+    got = f"size={shown(size)}, inner={shown(inner)}"
+    meant = f"{public_name(size)}()" if isinstance(size, type) else repr(size)
+    if isinstance(inner, int) and not isinstance(inner, bool):
+        fix = f"the arguments are swapped: did you mean `Window({inner!r}, {meant})`?"
+    else:
+        fix = f"the window's size comes first: `Window(size, {meant})`, as `Window(100, {meant})`."
+    raise ValueError(
+        f"eqx_logs.Window({got}): {fix} Window's arguments are `Window(size, inner='mean', "
+        "capacity=None)`: the number of events per window, then the reduction within each."
+    )
+
+
 class Fanout(AbstractReduction):
     """Several reductions of one key at once; the output is a dict from name to output.
 
@@ -131,7 +151,9 @@ class Fanout(AbstractReduction):
         if not named:
             raise ValueError("Fanout needs at least one named reduction, e.g. Fanout(mean='mean').")
         # A tuple, not a dict: hashable (a call site may name it) and ordered.
-        self.reductions = tuple((name, as_reduction(r)) for name, r in named.items())
+        self.reductions = tuple(
+            (name, as_reduction(r, where=f"eqx_logs.Fanout: {name}")) for name, r in named.items()
+        )
 
     def with_key(self, key):
         return Fanout(

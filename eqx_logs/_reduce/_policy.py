@@ -145,7 +145,18 @@ def with_options(policy: Any, where: str, **options: Unpack[PolicyOptions]) -> P
         raise TypeError(f"{where}(policy=...) takes an eqx_logs.Policy, got {policy!r}.")
     if all(v is None for v in options.values()):
         return policy  # `spool(f)` in a loop: building a Policy costs more than the call
+    _check_reductions(where, options)
     return policy.replace(**options)
+
+
+def _check_reductions(where: str, options: Mapping[str, Any]) -> None:
+    """`as_reduction`'s errors for the reductions among `options`, naming `where`'s option
+    (`eqx_logs.spool(reduce)=eqx_logs.Mean ...`) rather than the Policy it makes."""
+    if options.get("reduce") is not None:
+        as_reduction(options["reduce"], where=f"{where}(reduce)")
+    if isinstance(options.get("rules"), Mapping):
+        for pattern, r in options["rules"].items():
+            as_reduction(r, allow_drop=True, where=f"{where}(rules[{pattern!r}])")
 
 
 def _options(policy: Policy) -> dict[str, Any]:
