@@ -1,4 +1,4 @@
-"""`python -m eqx_logs plot RUN_DIR`: the scalar curves of JSONL runs, drawn into
+"""`python -m eqx_logs plot RUN_DIR`: the curves of JSONL runs, drawn into
 `RUN_DIR/curves.png` (or `-o IMAGE`)."""
 
 import argparse
@@ -17,9 +17,11 @@ from ._spelling import closest
 from ._stats import STATS
 from .loggers._jsonl import read_jsonl
 
-Curves = dict[str, dict[str, tuple[list[float], list[float]]]]
-# `lines[key][(run, lane)] = (xs, ys)`: `lane` names a device, "" for a key of one value
-Lines = dict[str, dict[tuple[str, str], tuple[list[float], list[float]]]]
+Curves = dict[str, dict[str, tuple[list[float], list]]]
+# `lines[key][(run, lane)] = (xs, ys)`: `lane` names a device, "" for a key of one value; for
+# a key whose records hold a vector each (lane `ELEMENTS`), each y is the list of its numbers
+Lines = dict[str, dict[tuple[str, str], tuple[list[float], list]]]
+ELEMENTS = "elements"  # the lane of a vector-valued key (per-env returns under a `jax.vmap`)
 
 
 def _number(value: object) -> float | None:
@@ -134,9 +136,12 @@ def read_lines(
     run index where not 0), and where a key holds one value per device, one per device too
     (`lane` is `device <i>`, or for records that `logger.tap` wrote per device, the axis
     index that tells them apart: `d=2`; `""` for a scalar key). x is the record's `step`, or
-    its index among the line's records. Also returns the keys skipped because their values
-    are not numbers (vectors, pytrees), and the keys plotted against the index because their
-    records have no `step`."""
+    its index among the line's records. A key whose records each hold several numbers at one
+    step (a vector or an array, such as the returns of the environments a `jax.vmap` steps)
+    has one line per run in the lane `ELEMENTS`, each y the list of the record's numbers
+    (flattened). Also returns the keys skipped because their values are not numbers
+    (pytrees, text), and the keys plotted against the index because their records have no
+    `step`."""
     lines: Lines = {}
     skipped: set[str] = set()
     unstepped: set[str] = set()
@@ -145,7 +150,8 @@ def read_lines(
     for n, file in enumerate(files):
         # (key, run) -> [(x, y, the record's other integer fields)] of its scalar records
         scalars: dict[tuple[str, str], list[tuple[float | None, float, dict]]] = {}
-        devices: dict[tuple[str, str, str], list[tuple[float | None, float]]] = {}
+        # (key, run, lane) -> [(x, y)]: y a number, or a vector's numbers (lane `ELEMENTS`)
+        devices: dict[tuple[str, str, str], list[tuple[float | None, float | list[float]]]] = {}
         for record in read_jsonl(file):
             key = record.get("key")
             if not isinstance(key, str) or not any(key_matches(key, k) for k in keys):
@@ -166,11 +172,16 @@ def read_lines(
                 scalars.setdefault((key, label), []).append((_number(record.get(step)), y, other))
                 continue
             points = _per_device(record.get("value"), record.get(step))
-            if points is None:
+            if points is not None:
+                for i, point in enumerate(points):
+                    devices.setdefault((key, label, f"device {i}"), []).append(point)
+                continue
+            elements = _floats(record.get("value"))
+            if not elements:  # (a pytree, text, an empty list)
                 skipped.add(key)
                 continue
-            for i, point in enumerate(points):
-                devices.setdefault((key, label, f"device {i}"), []).append(point)
+            x = _number(record.get(step))
+            devices.setdefault((key, label, ELEMENTS), []).append((x, elements))
         for (key, label), rows in scalars.items():
             for lane, points in _split_lanes(rows).items():
                 devices[(key, label, lane)] = points
@@ -229,20 +240,18 @@ def load_curves(
 
 def no_match(files: Sequence[str], keys: Sequence[str], step: str = "step") -> str:
     """The error for patterns that match no key of numbers: the keys of numbers the files hold
-    (scalars, or one value per device), and how to pick some (the key closest to the first
+    (scalars, one value per device, vectors), and how to pick some (the key closest to the first
     pattern, and a `prefix/*` pattern)."""
     scalar, other = set(), set()
     for f in files:
         for r in read_jsonl(f):
-            if isinstance(r.get("key"), str):
-                numbers = _number(r.get("value")) is not None
-                numbers = numbers or _per_device(r.get("value"), r.get(step)) is not None
-                (scalar if numbers else other).add(r["key"])
+            if isinstance(r.get("key"), str):  # (scalars, a value per device, vectors)
+                (scalar if _floats(r.get("value")) else other).add(r["key"])
     asked = " ".join(f"-k {shlex.quote(k)}" for k in keys)
     where = f"{len(files)} file(s)" if len(files) > 1 else files[0]
     if not scalar:
         held = f" (its keys: {', '.join(sorted(other))})" if other else ""
-        return f"error: no scalar values in {where}{held}"
+        return f"error: no numbers in {where}{held}"
     present = sorted(scalar)
     shown = ", ".join(present[:40]) + (f", ... ({len(present) - 40} more)" if present[40:] else "")
     # the key the first pattern is a likely typo of (the policy's rule), else one like it
@@ -253,7 +262,8 @@ def no_match(files: Sequence[str], keys: Sequence[str], step: str = "step") -> s
     if prefix is not None:
         examples.append(f"-k {shlex.quote(prefix + '/*')}")
     return (
-        f"error: no scalar key matches {asked} in {where}; its scalar keys:\n  {shown}\n"
+        f"error: no key of numbers matches {asked} in {where}; its keys of numbers:\n"
+        f"  {shown}\n"
         f"pick some with -k (repeatable; '*' and '?' are wildcards), e.g. {', '.join(examples)}; "
         "without -k every key is plotted"
     )
@@ -325,6 +335,49 @@ MAX_DEVICE_LINES = 8  # a run with more devices (or several runs) draws their me
 MARKED = 15  # a line of this many points or fewer marks them (two points are not a trend)
 
 
+def _values(ys: Sequence) -> list[float]:
+    """The numbers of a line's ys, a vector's elements (lane `ELEMENTS`) flattened."""
+    return [v for y in ys for v in (y if isinstance(y, list) else (y,))]
+
+
+def _nonfinite(y: float | list[float]) -> bool:
+    return not all(math.isfinite(v) for v in (y if isinstance(y, list) else (y,)))
+
+
+def _first_nonfinite(key: str, xs: Sequence[float], ys: Sequence) -> tuple[float, str] | None:
+    """`(x, what)` of the first step (the least x) at which a line of `key` holds a NaN or an
+    infinity (`what`: "NaN", "inf", "-inf"; for a vector, any of its elements), or, for the
+    count of non-finite elements `eqx_logs.instrument` and `log_stats` log (`.../nonfinite`),
+    where that count is first above 0; None where there is none."""
+    count = key.rsplit("/", 1)[-1] == "nonfinite"
+    bad = [
+        (x, y)
+        for x, y in zip(xs, ys)
+        if math.isfinite(x) and (_nonfinite(y) or (count and any(v > 0 for v in _values([y]))))
+    ]
+    if not bad:
+        return None
+    x = min(x for x, _ in bad)
+    values = [v for x_, y in bad if x_ == x for v in _values([y]) if not math.isfinite(v)]
+    if not values:
+        return x, "non-finite"
+    kinds = {"NaN" if math.isnan(v) else f"{v:g}" for v in values}
+    return x, kinds.pop() if len(kinds) == 1 else "non-finite"
+
+
+def _span(xs: Sequence[float]) -> tuple[float, float] | None:
+    """The x limits that show every x of `xs` (the first to the last step, those of NaN values
+    too), a margin on either side; None without a finite x."""
+    finite = [x for x in xs if math.isfinite(x)]
+    if not finite:
+        return None
+    lo, hi = min(finite), max(finite)
+    pad = 0.03 * (hi - lo) or 0.5 * max(abs(lo), 1.0)
+    if all(float(x).is_integer() for x in finite):
+        pad = max(pad, 0.5)  # (a marker at the first or last step, whole)
+    return lo - pad, hi + pad
+
+
 def figure(
     lines: Lines,
     title: str | None = None,
@@ -336,7 +389,12 @@ def figure(
     its key. Each run has one colour in every panel; where there are several, one legend
     above the panels names them (under `title`). A key with one value per device has a line
     per device (a colour each, in a legend of its panel), or, with several runs or more than
-    `MAX_DEVICE_LINES` devices, the mean over the devices with their range shaded. A key
+    `MAX_DEVICE_LINES` devices, the mean over the devices with their range shaded; a key of
+    vectors (lane `ELEMENTS`) the mean of each vector's elements, their range shaded. A
+    point with no finite neighbour on its line is marked, as is every point of a short line
+    (`MARKED`). Every panel's x axis spans every run's first to last step (the steps of NaN
+    values too), with integer ticks where the steps are integers; a dashed line marks the
+    first step at which each run's values of a key are NaN or infinite, labelled. A key
     without a finite value says so in its panel. x is `step`, or for the keys in `unstepped`
     the index of the record; a log scale for y with `logy` (a symmetric one for a key with
     values <= 0). Returns the `matplotlib.figure.Figure`."""
@@ -350,6 +408,12 @@ def figure(
     colors = _run_colors(runs)
     rows = arrange(list(lines))
     cols = len(rows[0])
+    # the steps of every run, for every panel plotted against them
+    steps = [
+        x for k, by_line in lines.items() if k not in unstepped for xs, _ in by_line.values()
+        for x in xs
+    ]  # fmt: skip
+    span = _span(steps)
     with plt.rc_context({"font.size": 8, "axes.titlesize": 9, "axes.labelsize": 8}):
         fig, axes = plt.subplots(
             len(rows),
@@ -366,7 +430,7 @@ def figure(
                 # the step under the lowest panel of a column only
                 below = r + 1 == len(rows) or rows[r + 1][c] is None
                 panel = _Panel(key, lines[key], colors, len(runs) > 1, step, key in unstepped)
-                panel.draw(axes[r, c], below, logy)
+                panel.draw(axes[r, c], below, logy, None if key in unstepped else span)
         if len(runs) > 1:  # one legend for every panel, the title above its entries
             handles = [Line2D([], [], color=colors[run], linewidth=2) for run in runs]
             per_row = int(3.4 * cols * 72 / 6.5 / (max(len(run) for run in runs) + 5))
@@ -391,16 +455,20 @@ class _Panel:
 
     def __init__(self, key, by_line, colors, several_runs, step, unstepped):
         self.key, self.by_line, self.colors, self.several_runs = key, by_line, colors, several_runs
+        self.step = "record" if unstepped else step
         self.xlabel = f"record (no {step})" if unstepped else step
 
-    def draw(self, ax, below: bool, logy: bool) -> None:
+    def draw(self, ax, below: bool, logy: bool, span: tuple[float, float] | None) -> None:
+        """Draw the panel into `ax`; x from `span[0]` to `span[1]` (the run's steps), or where
+        None, the panel's own records."""
         import numpy as np
         from matplotlib.ticker import MaxNLocator
 
         ax.set_title(self.key)
         if below:
             ax.set_xlabel(self.xlabel)
-        ys = np.array([y for _, ys in self.by_line.values() for y in ys], dtype=float)
+        ys = np.array([y for _, ys in self.by_line.values() for y in _values(ys)], dtype=float)
+        xs = [x for xs, _ in self.by_line.values() for x in xs]
         finite = np.isfinite(ys)
         if not finite.any():
             nan = int(np.isnan(ys).sum())
@@ -409,7 +477,6 @@ class _Panel:
                 if nan == len(ys)
                 else f"no finite value:\n{nan} NaN, {len(ys) - nan} infinite"
             )
-            xs = [x for xs, _ in self.by_line.values() for x in xs]
             what += f"\n({self.xlabel} {min(xs):g} to {max(xs):g})"
             ax.text(0.5, 0.5, what, ha="center", va="center", transform=ax.transAxes, color="0.3")
             ax.set_xticks([])
@@ -419,23 +486,32 @@ class _Panel:
             nan, bad = int(np.isnan(ys).sum()), int((~finite).sum())
             what = "NaN" if nan == bad else "not finite"
             ax.set_title(f"{self.key} ({bad} of {len(ys)} {what})")
-        by_run: dict[str, list[tuple[str, list[float], list[float]]]] = {}
-        for (run, lane), (xs, ys_) in self.by_line.items():
-            by_run.setdefault(run, []).append((lane, xs, ys_))
-        ranges = set()  # the numbers of devices drawn as a mean and range
+        by_run: dict[str, list[tuple[str, list[float], list]]] = {}
+        for (run, lane), (xs_, ys_) in self.by_line.items():
+            by_run.setdefault(run, []).append((lane, xs_, ys_))
+        notes = {}  # "devices"/"values": the numbers of them drawn as a mean and range
         for run, lanes in by_run.items():
+            for lane in [lane for lane in lanes if lane[0] == ELEMENTS]:
+                n = self._range(ax, [lane], self.colors[run], run)
+                notes.setdefault("values", set()).add(n)
+            lanes = [lane for lane in lanes if lane[0] != ELEMENTS]
+            if not lanes:
+                continue
             if len(lanes) == 1 and not lanes[0][0]:
                 self._line(ax, lanes[0][1], lanes[0][2], self.colors[run], run)
             elif not self.several_runs and len(lanes) <= MAX_DEVICE_LINES:
-                for i, (lane, xs, ys_) in enumerate(lanes):
-                    self._line(ax, xs, ys_, f"C{i}", run, label=lane, linewidth=1.0)
+                for i, (lane, xs_, ys_) in enumerate(lanes):
+                    self._line(ax, xs_, ys_, f"C{i}", run, label=lane, linewidth=1.0)
                 ax.legend(fontsize=7, ncols=2 if len(lanes) > 4 else 1, framealpha=0.7)
             else:
                 self._range(ax, lanes, self.colors[run], run)
-                ranges.add(len(lanes))
-        if ranges:
-            n = f"{min(ranges)}" if len(ranges) == 1 else f"{min(ranges)} to {max(ranges)}"
-            note = f"mean of {n} devices, min to max shaded"
+                notes.setdefault("devices", set()).add(len(lanes))
+        if notes:
+            said = []
+            for what, ns in sorted(notes.items()):
+                said.append(f"{min(ns)}" if len(ns) == 1 else f"{min(ns)} to {max(ns)}")
+                said[-1] += f" {what}"
+            note = f"mean of {' / '.join(said)}, min to max shaded"
             kw = dict(ha="right", va="top", transform=ax.transAxes, fontsize=7, color="0.35")
             ax.text(0.98, 0.96, note, **kw)
         if self.key.rsplit("/", 1)[-1] == "nonfinite":  # a count: 0, 1, ..., not 0.02
@@ -444,23 +520,66 @@ class _Panel:
                 ax.set_ylim(-0.1, 1)
         if logy:
             ax.set_yscale("log" if (ys[finite] > 0).all() else "symlog")
+        ax.set_xlim(span or _span(xs))
+        if all(float(x).is_integer() for x in xs if math.isfinite(x)):  # steps 0, 1, 2: no 0.5
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        self._first_nonfinite(ax, by_run)
         ax.grid(alpha=0.3)
+
+    def _first_nonfinite(self, ax, by_run) -> None:
+        """A dashed line at the first step of each run's non-finite values (`_first_nonfinite`;
+        the least over its devices), in the run's colour where there are several, labelled
+        with the step at the foot of the panel."""
+        from matplotlib.transforms import blended_transform_factory
+
+        on_x = blended_transform_factory(ax.transData, ax.transAxes)
+        for run, lanes in by_run.items():
+            found = [f for _, xs, ys in lanes if (f := _first_nonfinite(self.key, xs, ys))]
+            if not found:
+                continue
+            x, what = min(found, key=lambda f: f[0])
+            color = self.colors[run] if self.several_runs else "0.2"
+            label = f"first {what} at {self.step} {x:g}"
+            ax.axvline(x, color=color, linestyle="--", linewidth=1.0, label=f"_{label}", gid=run)
+            # along the line, on its left, under the curves (which it must not hide)
+            ax.annotate(
+                label,
+                (x, 0.03),
+                xycoords=on_x,
+                xytext=(-2, 0),
+                textcoords="offset points",
+                rotation=90,
+                ha="right",
+                va="bottom",
+                fontsize=7,
+                color=color,
+                zorder=1.5,
+            )
 
     @staticmethod
     def _line(ax, xs, ys, color, run, label=None, linewidth=1.2) -> None:
-        """A line of `run` (its `gid`), its points marked where there are few."""
-        marker = "o" if len(xs) <= MARKED else None
-        kw = dict(color=color, label=label, linewidth=linewidth, marker=marker, ms=3, gid=run)
-        ax.plot(xs, ys, **kw)
+        """A line of `run` (its `gid`), its points marked where there are few, and otherwise
+        the points without a finite neighbour (which a line alone leaves invisible: the one
+        finite value of a run that went NaN)."""
+        import numpy as np
 
-    def _range(self, ax, lanes, color, run) -> None:
-        """The mean over the devices at each x, their minimum to maximum shaded."""
+        finite = np.isfinite(np.asarray(ys, dtype=float)) & np.isfinite(np.asarray(xs, float))
+        alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
+        marker, every = ("o", None) if len(xs) <= MARKED else (None, None)
+        if marker is None and alone.any():
+            marker, every = "o", [int(i) for i in np.flatnonzero(alone)]
+        kw = dict(color=color, label=label, linewidth=linewidth, marker=marker, markevery=every)
+        ax.plot(xs, ys, ms=3, gid=run, **kw)
+
+    def _range(self, ax, lanes, color, run) -> int:
+        """The mean over the devices (or a vector's elements) at each x, their minimum to
+        maximum shaded; returns the most values at one x."""
         import numpy as np
 
         at: dict[float, list[float]] = {}
         for _, xs, ys in lanes:
             for x, y in zip(xs, ys):
-                at.setdefault(x, []).append(y)
+                at.setdefault(x, []).extend(y if isinstance(y, list) else (y,))
         xs = sorted(at)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # (an x with NaN only)
@@ -470,6 +589,7 @@ class _Panel:
             )
         ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0, gid=run)
         self._line(ax, xs, mean, color, run)
+        return max(len(v) for v in at.values())
 
 
 def plot(
@@ -540,7 +660,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if skipped:
         names = ", ".join(sorted(skipped))
-        print(f"not plotted (values are not scalars): {names}", file=sys.stderr)
+        print(f"not plotted (values are not numbers): {names}", file=sys.stderr)
     if not lines:
         print(no_match(files, keys, args.step), file=sys.stderr)
         return 2
@@ -570,5 +690,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _finite(by_line: dict[tuple[str, str], tuple[list[float], list[float]]]) -> bool:
-    return any(math.isfinite(y) for _, ys in by_line.values() for y in ys)
+def _finite(by_line: dict[tuple[str, str], tuple[list[float], list]]) -> bool:
+    return any(math.isfinite(y) for _, ys in by_line.values() for y in _values(ys))

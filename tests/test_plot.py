@@ -11,12 +11,13 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from helpers import without_device_count
 from jax import lax
 
 import eqx_logs
-from eqx_logs.loggers import JsonlLogger
+from eqx_logs.loggers import JsonlLogger, read_jsonl
 
 pytest.importorskip("matplotlib")
 import matplotlib  # noqa: E402
@@ -26,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.collections import PolyCollection  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.image import imsave  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from eqx_logs._plot import arrange, figure, find_runs, main, read_lines  # noqa: E402
 
@@ -202,7 +204,7 @@ def test_per_device_values_draw_a_line_per_device(devices, tmp_path, capsys):
     # keys of a value per device are keys of numbers, to the command line too
     assert main(["plot", str(devices / "0"), "-k", "grad", "-o", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
-    assert "its scalar keys:\n  grad_norm, loss\n" in err and "not plotted" not in err, err
+    assert "its keys of numbers:\n  grad_norm, loss\n" in err and "not plotted" not in err, err
     assert main(["plot", str(devices / "0"), "-o", str(tmp_path / "devices-0-cli.png")]) == 0
     assert "wrote" in capsys.readouterr().out
 
@@ -276,9 +278,127 @@ def test_nan_only_keys_say_so(tmp_path, capsys):
     fig = draw(some, tmp_path / "some-nan.png")
     by_title = {ax.get_title(): ax for ax in visible(fig)}
     assert set(by_title) == {"loss (10 of 40 NaN)", "grad_norm", "scale"}
-    assert len(by_title["loss (10 of 40 NaN)"].lines) == 1
+    loss = by_title["loss (10 of 40 NaN)"]
+    assert len(loss.lines) == 2  # the curve, and a dashed line at its first NaN
+    assert list(dashed(loss)[0].get_xdata()) == [30, 30]
     scale = [t.get_text() for t in by_title["scale"].texts]
     assert scale == ["no finite value:\n20 NaN, 20 infinite\n(step 0 to 39)"]
+    plt.close(fig)
+
+
+ENVS = 8  # the environments a `jax.vmap` steps
+
+
+def rl_step(w, i):
+    """A training step that goes NaN: `loss` is finite at step 0 only (-inf at 1, NaN after),
+    `grad_norm` is finite before step 10 and at step 11 alone, and `returns` (one per
+    environment, under `jax.vmap`) holds a NaN from step 25 on, in environment 3
+    (`returns/nonfinite` counts them)."""
+    loss = (w - 1.0) ** 2 + jnp.log(1.0 - i)
+    grad_norm = jnp.where(i < 10, jnp.abs(w) + 1.0, jnp.sqrt((i - 10.5) * (11.5 - i)))
+
+    def env(e):
+        return jnp.sin(e + 0.3 * i) * (1.0 + e) + jnp.where(e == 3, jnp.sqrt(24.5 - i), 0.0)
+
+    returns = jax.vmap(env)(jnp.arange(ENVS, dtype=jnp.float32))
+    eqx_logs.log({"loss": loss, "grad_norm": grad_norm, "returns": returns})
+    eqx_logs.log_stats("returns", returns, stats=("nonfinite",))  # (0 before step 25)
+    return w * 0.9
+
+
+def run_rl(path: Path, steps: int) -> list[dict]:
+    """`steps` calls of `rl_step` through `logger.jit(..., step="i")` into `path`; the records
+    written."""
+    with JsonlLogger(path) as logger:
+        step = logger.jit(rl_step, logger.init(), step="i")
+        w = jnp.float32(3.0)
+        for i in range(steps):
+            w = step(w, i)
+    return read_jsonl(path)
+
+
+def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """The steps and values (a row per step for a vector) of `key`, by numpy."""
+    mine = [r for r in rows if r["key"] == key]
+    return np.array([r["step"] for r in mine]), np.array([r["value"] for r in mine], float)
+
+
+def first_bad(key: str, steps: np.ndarray, values: np.ndarray) -> float:
+    """The first step of a NaN or infinity in `values` (a count of them above 0, for the
+    key of a count), by numpy."""
+    bad = values > 0 if key.endswith("/nonfinite") else ~np.isfinite(values)
+    return float(steps[np.argmax(bad.reshape(len(steps), -1).any(axis=1))])
+
+
+def dashed(ax) -> list:
+    """The panel's vertical lines at a first non-finite step."""
+    return [line for line in ax.lines if line.get_label().startswith("_first ")]
+
+
+def test_a_run_that_went_nan(tmp_path, capsys):
+    """A run written by `logger.jit` that went NaN (issue 54): the one finite point of `loss`
+    and the lone one of `grad_norm` marked (a line alone leaves them invisible), every panel
+    spanning the run's steps 0 to 39 (not -0.04 to 0.04 around the one finite point), a
+    dashed line at each key's first non-finite step, labelled; the per-environment vector
+    `returns` drawn as the mean of its elements with their range shaded (it was skipped), and
+    the line also where the count of its non-finite elements is first above 0; integer ticks
+    for integer steps, in a run of three steps too."""
+    rows = run_rl(tmp_path / "nan" / "logs.jsonl", 40)
+    assert main(["plot", str(tmp_path / "nan")]) == 0
+    out = capsys.readouterr()
+    assert "wrote" in out.out and "4 keys, 4 curves" in out.out and not out.err, out
+    assert (tmp_path / "nan" / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    fig = draw(tmp_path / "nan", tmp_path / "went-nan.png")
+    by_key = {ax.get_title().split(" (")[0]: ax for ax in visible(fig)}
+    assert set(by_key) == {"loss", "grad_norm", "returns", "returns/nonfinite"}
+    labels = {"loss": "first -inf at step 1", "grad_norm": "first NaN at step 10"}
+    labels["returns"] = "first NaN at step 25"
+    labels["returns/nonfinite"] = "first non-finite at step 25"
+    for key, ax in by_key.items():
+        steps, values = series(rows, key)
+        lo, hi = ax.get_xlim()
+        assert lo <= steps.min() and hi >= steps.max() and hi - lo < 1.2 * np.ptp(steps), key
+        # the first non-finite step, by numpy; the one dashed line there, labelled
+        (line,) = dashed(ax)
+        assert list(line.get_xdata()) == [first_bad(key, steps, values)] * 2, key
+        assert [t.get_text() for t in ax.texts if t.get_text().startswith("first")] == [labels[key]]
+        assert isinstance(ax.xaxis.get_major_locator(), MaxNLocator), key
+        assert ax.xaxis.get_major_locator()._integer, key
+        if key == "returns":
+            continue
+        (curve,) = [c for c in ax.lines if c is not line]
+        np.testing.assert_array_equal(curve.get_xdata(), steps)
+        # the points without a finite neighbour, by numpy: 0 (loss), 11 (grad_norm), marked
+        finite = np.isfinite(values)
+        alone = finite & ~np.r_[False, finite[:-1]] & ~np.r_[finite[1:], False]
+        assert list(np.flatnonzero(alone)) == {"loss": [0], "grad_norm": [11]}.get(key, [])
+        marked = (curve.get_marker(), curve.get_markevery())
+        assert marked == (("o", list(np.flatnonzero(alone))) if alone.any() else ("None", None))
+
+    # the vector: its mean, and min to max shaded, at every step (NaN elements left out)
+    ax = by_key["returns"]
+    steps, values = series(rows, "returns")
+    assert values.shape == (40, ENVS)
+    assert ax.get_title() == f"returns ({np.isnan(values).sum()} of {values.size} NaN)"
+    (mean,) = [c for c in ax.lines if c not in dashed(ax)]
+    np.testing.assert_array_equal(mean.get_xdata(), steps)
+    np.testing.assert_allclose(mean.get_ydata(), np.nanmean(values, axis=1), rtol=1e-12)
+    (shade,) = ax.collections
+    assert isinstance(shade, PolyCollection)
+    corners = np.concatenate([p.vertices for p in shade.get_paths()])
+    for x, row in zip(steps, values):
+        at = corners[corners[:, 0] == x, 1]
+        assert at.min() == np.nanmin(row) and at.max() == np.nanmax(row), x
+    assert [t.get_text() for t in ax.texts][0] == "mean of 8 values, min to max shaded"
+    plt.close(fig)
+
+    # three steps: ticks at 0, 1 and 2 (matplotlib's own put them at every 0.25)
+    rows = run_rl(tmp_path / "short" / "logs.jsonl", 3)
+    fig = draw(tmp_path / "short", tmp_path / "short.png")
+    for ax in visible(fig):
+        ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+        assert ticks == [0, 1, 2], (ax.get_title(), ticks)
     plt.close(fig)
 
 
@@ -332,26 +452,28 @@ def test_plot_cli_says_what_is_missing(tmp_path):
 
 @pytest.mark.fast
 def test_plot_cli_lists_the_keys_when_no_key_matches(tmp_path, capsys):
-    """`-k los`: the error lists the scalar keys there and shows how to pick (the closest key,
-    a `prefix/*` pattern), not the files; `-k loss` draws, by default beside the file."""
+    """`-k los`: the error lists the keys of numbers there (scalars and vectors) and shows how
+    to pick (the closest key, a `prefix/*` pattern), not the files; `-k loss` draws, by
+    default beside the file."""
     from eqx_logs._plot import main
 
     log = tmp_path / "logs.jsonl"
     rows = [("loss", 1.5), ("grad/layer0", 0.5), ("grad/layer1", 0.25), ("v", [1.0, 2.0])]
+    rows.append(("tree", {"a": 1.0}))  # (not numbers: a pytree)
     log.write_text(
         "".join(json.dumps({"run": 0, "key": k, "value": v, "step": 0}) + "\n" for k, v in rows)
     )
     assert main(["plot", str(tmp_path), "-k", "los", "-k", "x/*"]) == 2
     err = capsys.readouterr().err
-    assert f"error: no scalar key matches -k los -k 'x/*' in {log}; its scalar keys:" in err, err
-    assert "\n  grad/layer0, grad/layer1, loss\n" in err, err  # not `v`, a vector
+    assert f"no key of numbers matches -k los -k 'x/*' in {log}; its keys of numbers:" in err
+    assert "\n  grad/layer0, grad/layer1, loss, v\n" in err, err  # not `tree`
     assert "e.g. -k loss, -k 'grad/*'; without -k every key is plotted" in err, err
     assert str(tmp_path) not in err.replace(str(log), ""), err  # the keys, not a file list
     assert not list(tmp_path.glob("*.png"))
-    # a vector key alone: no scalar key to suggest
-    assert main(["plot", str(tmp_path), "-k", "v"]) == 2
+    # a pytree key alone: no key of numbers to suggest
+    assert main(["plot", str(tmp_path), "-k", "tree"]) == 2
     err = capsys.readouterr().err
-    assert "not plotted (values are not scalars): v" in err, err
+    assert "not plotted (values are not numbers): tree" in err, err
     assert "e.g. -k grad/layer0, -k 'grad/*';" in err, err
     # correct patterns draw as before; without -o, into the directory plotted or beside a file
     assert main(["plot", str(tmp_path), "-k", "loss", "-k", "grad/*"]) == 0
@@ -360,11 +482,11 @@ def test_plot_cli_lists_the_keys_when_no_key_matches(tmp_path, capsys):
     assert f"wrote {tmp_path / 'curves.png'}: 3 keys, 3 curves from 1 file(s)" in out, out
     assert f"wrote {tmp_path / 'logs.png'}: 1 keys, 1 curves from 1 file(s)" in out, out
     assert (tmp_path / "curves.png").read_bytes()[:4] == (tmp_path / "logs.png").read_bytes()[:4]
-    # no scalar key at all
-    (tmp_path / "vec.jsonl").write_text(json.dumps({"run": 0, "key": "v", "value": [1, 2]}))
-    assert main(["plot", str(tmp_path / "vec.jsonl"), "-k", "los"]) == 2
+    # no key of numbers at all
+    (tmp_path / "tree.jsonl").write_text(json.dumps({"run": 0, "key": "t", "value": {"a": 1}}))
+    assert main(["plot", str(tmp_path / "tree.jsonl"), "-k", "los"]) == 2
     err = capsys.readouterr().err
-    assert f"error: no scalar values in {tmp_path / 'vec.jsonl'} (its keys: v)" in err, err
+    assert f"error: no numbers in {tmp_path / 'tree.jsonl'} (its keys: t)" in err, err
 
 
 @pytest.mark.fast
