@@ -401,6 +401,14 @@ def test_a_run_that_went_nan(tmp_path, capsys):
         assert ticks == [0, 1, 2], (ax.get_title(), ticks)
     plt.close(fig)
 
+    # both runs: each one's dashed line in its colour (loss: both at step 1), x over both
+    fig = draw(tmp_path, tmp_path / "both.png")
+    check_colors(fig, ["nan/logs.jsonl", "short/logs.jsonl"])
+    loss = next(ax for ax in visible(fig) if ax.get_title().startswith("loss"))
+    assert [line.get_gid() for line in dashed(loss)] == ["nan/logs.jsonl", "short/logs.jsonl"]
+    assert loss.get_xlim()[0] <= 0 and loss.get_xlim()[1] >= 39
+    plt.close(fig)
+
 
 @pytest.mark.fast
 def test_arrange_puts_the_metrics_first_and_the_statistics_by_layer():
