@@ -375,6 +375,165 @@ def test_diffrax_steps_are_the_outer_loops_iterations():
     assert any(np.allclose(v, y1, rtol=1e-6) for v in last)
 
 
+def checkpointed_halving(x):
+    """The issue's repro: Equinox's checkpointed while loop (a custom_vjp whose forward rule
+    runs another loop, carrying checkpoints), three halvings of `x`."""
+    import equinox as eqx
+
+    def body(c):
+        i, v = c
+        return i + 1, v * 0.5
+
+    loop = eqx.internal.while_loop
+    return loop(lambda c: c[0] < 3, body, (0, x), max_steps=4, kind="checkpointed")[1]
+
+
+def test_under_grad_equinox_checkpointed_loop_keeps_its_addresses():
+    """`jax.grad(spool(f, watch=...))`: the forward rule runs instead of the primal, but the
+    address still names the primal's carry leaf (Equinox's carry: step, two flags, then the
+    user's `(i, v)`), each value once."""
+    w = el.Watch("while", where="watch/while[0]/carry/3", stats=None)
+
+    def loss(x):
+        return el.spool(checkpointed_halving, watch=w, reduce=el.Stack(capacity=4))(x)
+
+    key = "watch/while[0]/carry/3"
+    plain = loss(8.0)[1]
+    np.testing.assert_array_equal(plain[key], [1, 2, 3, 0])  # i after each iteration
+    grad, graded = jax.grad(loss, has_aux=True)(8.0)
+    np.testing.assert_array_equal(graded[key], [1, 2, 3, 0])
+    assert int(graded.count[key]) == 3
+    assert float(grad) == 0.125  # d(x / 8)/dx
+
+    # every leaf, reduced to the last: the same keys and values with and without grad
+    # (there was a dtype conflict at a key the forward rule's loop made)
+    def every(x):
+        return el.spool(checkpointed_halving, watch="while", reduce="last")(x)
+
+    _, last = every(8.0)
+    _, graded = jax.grad(every, has_aux=True)(8.0)
+    assert sorted(graded) == sorted(last) == [f"watch/while[0]/carry/{i}" for i in range(5)]
+    assert float(last["watch/while[0]/carry/4"]) == 1.0  # 8 * 0.5**3
+    for k in last:
+        assert graded[k].dtype == last[k].dtype
+        np.testing.assert_array_equal(graded[k], last[k])
+
+
+def test_under_grad_diffrax_default_adjoint_watches_the_state():
+    """diffrax's Tsit5 with its default adjoint (`RecursiveCheckpointAdjoint`: Equinox's
+    checkpointed loop): under grad the state's key holds the states `SaveAt(steps=True)`
+    saves without grad, one per step (it held a checkpoint counter)."""
+    import diffrax
+
+    def solve(y0):
+        term = diffrax.ODETerm(lambda t, y, args: -y)
+        saveat = diffrax.SaveAt(steps=True)
+        return diffrax.diffeqsolve(
+            term, diffrax.Tsit5(), 0.0, 1.0, 0.1, y0, saveat=saveat, max_steps=16
+        )
+
+    watch = el.Watch("while", stats=None, where="watch/while[0]/carry/*")
+    spooled = el.spool(solve, watch=watch, reduce=el.Stack(capacity=16))
+    y0 = jnp.array([1.0, 2.0])
+    sol, logs = jax.jit(spooled)(y0)
+    n = int(sol.stats["num_steps"])
+    ys = np.asarray(sol.ys[:n])
+    assert n == 10
+    np.testing.assert_allclose(ys[-1], np.exp(-1.0) * np.array([1.0, 2.0]), rtol=1e-5)
+    (key,) = [k for k, v in logs.items() if v.shape[1:] == (2,) and np.allclose(v[:n], ys)]
+
+    def loss(y0):
+        sol, logs = spooled(y0)
+        return jnp.sum(sol.ys[n - 1]), logs
+
+    grad, graded = jax.jit(jax.grad(loss, has_aux=True))(y0)
+    np.testing.assert_allclose(grad, np.exp(-1.0) * np.ones(2), rtol=1e-4)
+    assert sorted(graded) == sorted(logs)
+    assert int(graded.count[key]) == n
+    np.testing.assert_array_equal(graded[key][:n], ys)
+
+
+def test_a_vmap_inside_batching_a_while_predicate_logs_each_lane_as_alone():
+    """`spool(jax.vmap(f), watch="while")` where the vmap batches the loop's predicate: the
+    loop runs while any lane runs; each lane's carry is logged for the iterations it runs,
+    equal to the lane run alone (no events for a finished lane)."""
+
+    def f(n):
+        return lax.while_loop(lambda c: c < n, lambda c: c + 1, 0)
+
+    n = jnp.array([2, 5])
+    key = "watch/while[0]/carry/0"
+    out, logs = el.spool(jax.vmap(f), watch="while", reduce=el.Stack(capacity=8))(n)
+    np.testing.assert_array_equal(out, [2, 5])
+    np.testing.assert_array_equal(logs.count[key], [2, 5])
+    for i in range(2):
+        _, alone = el.spool(f, watch="while", reduce=el.Stack(capacity=8))(n[i])
+        np.testing.assert_array_equal(logs[key][:, i], alone[key])
+        np.testing.assert_array_equal(alone[key][: int(n[i])], 1 + np.arange(int(n[i])))
+    # two vmaps: a predicate batched on two axes
+    m = jnp.array([[1, 4], [3, 2]])
+    _, last = el.spool(jax.vmap(jax.vmap(f)), watch="while", reduce="last")(m)
+    np.testing.assert_array_equal(last[key], m)
+    np.testing.assert_array_equal(last.count[key], m)
+
+
+def test_calls_are_transparent_and_a_jits_name_is_not_watched():
+    """The documented addresses: a cholesky inside a jitted function is `watch/cholesky[0]`
+    (calls are transparent), one inside a while loop `watch/while[0]/cholesky[0]`; a jitted
+    function's name watches nothing, and the warning says why."""
+
+    @jax.jit
+    def solve(a):
+        return jnp.linalg.cholesky(a)
+
+    def f(a):
+        def body(c):
+            i, m = c
+            return i + 1, jnp.linalg.cholesky(m) + jnp.eye(2)
+
+        return solve(a), lax.while_loop(lambda c: c[0] < 1, body, (0, a))[1]
+
+    a = jnp.array([[4.0, 2.0], [2.0, 3.0]])
+    _, logs = el.spool(f, watch=el.Watch("cholesky", stats=None), reduce="last")(a)
+    assert sorted(logs) == ["watch/cholesky[0]", "watch/while[0]/cholesky[0]"]
+    want = np.linalg.cholesky(np.asarray(a))
+    np.testing.assert_allclose(np.tril(logs["watch/cholesky[0]"]), want, rtol=1e-6)
+    np.testing.assert_allclose(np.tril(logs["watch/while[0]/cholesky[0]"]), want, rtol=1e-6)
+    with pytest.warns(UserWarning, match=r"watch='solve'.*jitted function's name"):
+        _, none = el.spool(f, watch="solve")(a)
+    assert dict(none) == {}
+
+
+def test_the_watch_warnings_name_the_callers_line(tmp_path):
+    """ "matches nothing" and "where= keeps none" point at the line that calls: a spool, an
+    `eqx.filter_jit` of one, and a logger's `jit` and `spool`."""
+    import sys
+
+    import equinox as eqx
+
+    from eqx_logs.loggers import JsonlLogger
+
+    x = jnp.float32(2.0)
+    nowhere = el.Watch("while", where="nowhere")
+
+    def caught(call):
+        line = sys._getframe(1).f_lineno
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            call()
+        (w,) = [w for w in got if "watch=" in str(w.message) or "where=" in str(w.message)]
+        assert (w.filename, w.lineno) == (__file__, line), str(w.message)
+
+    caught(lambda: el.spool(newton_sqrt, watch="whle")(x))
+    caught(lambda: el.spool(newton_sqrt, watch=nowhere)(x))
+    caught(lambda: eqx.filter_jit(el.spool(newton_sqrt, watch="whle"))(x))
+    with JsonlLogger(tmp_path / "log.jsonl") as logger:
+        step = logger.jit(lambda a, i: newton_sqrt(a), logger.init(), watch="whle", step="i")
+        caught(lambda: step(x, 0))
+        elsewhere = el.Watch("while", max_depth=0, where="*/carry/1")  # (a trace of its own)
+        caught(lambda: logger.spool(newton_sqrt, logger.init(), watch=elsewhere)(x))
+
+
 def test_lineax_linear_solve_and_its_lu():
     import lineax as lx
 

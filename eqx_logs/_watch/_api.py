@@ -71,8 +71,9 @@ def watch(
     records them as any other log (reductions, `interval`, `tags` and `rules` apply). Outside
     them it is `fun`'s program. The address is the value's position in the program:
     `"watch/while[1]/carry/0"` is the first carry leaf of the second while loop at the top
-    level, `"watch/solve[0]/cholesky[0]"` the output of the first cholesky inside a jitted
-    function named `solve` (see [the guide](../watch.md)).
+    level, `"watch/while[0]/cholesky[0]"` the output of the first cholesky inside the first
+    while loop. Calls are transparent: a cholesky inside a jitted function `solve` is
+    `"watch/cholesky[0]"`, as if it were written in place (see [the guide](../watch.md)).
 
     The spool's `watch=` option does the same for the function it spools; use this transform
     to watch inside a derivative (`spool(jax.grad(watch(f, "while")))` watches the forward

@@ -6,15 +6,20 @@ calls in it, which a spool, a tap or a logger then consumes as any other (reduct
 interval, tags, lanes and devices apply). Nothing JAX created is mutated.
 
 Addresses: each equation is `kind[j]`, `j` counting the equations of that kind (a primitive's
-name, `scan`, `while`, `cond`, a jit's function name, `checkpoint`, `custom_jvp`, ...) in
-the jaxpr it belongs to; inside a loop, call or branch, its address is that of the container
-then its own (`while[0]/cholesky[1]`, `cond[0]/branch[1]/...`, a while loop's predicate
-`while[0]/cond/...`). A primitive's outputs are `kind[j]` (one) or `kind[j]/i` (several); a
-loop's carry `kind[j]/carry/i`.
+name, `scan`, `while`, `cond`, `shard_map`, ...) in the jaxpr it belongs to; inside a loop,
+branch or shard_map, its address is that of the container then its own
+(`while[0]/cholesky[1]`, `cond[0]/branch[1]/...`, a while loop's predicate
+`while[0]/cond/...`). Calls (`jit`, `checkpoint`, custom derivatives) are transparent: what
+they contain is counted with the jaxpr around them. A primitive's outputs are `kind[j]` (one)
+or `kind[j]/i` (several); a loop's carry `kind[j]/carry/i`.
+
+The same address names the same value whatever runs it: differentiated, a custom_vjp's
+forward rule (another program) runs unwatched and its primal once more for the watched
+values (`_custom_vjp`); a loop whose predicate a vmap batched logs each lane's carry for the
+iterations that lane runs (`_while`).
 """
 
 import collections
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,9 +28,19 @@ import jax
 import jax.numpy as jnp
 
 from .. import _compat
-from .._primitive import bind, current_prefix, grad_tap, is_log, is_sow, logging_as, tracing_context
+from .._primitive import (
+    bind,
+    current_prefix,
+    grad_tap,
+    is_log,
+    is_sow,
+    logging_as,
+    masked_events,
+    tracing_context,
+)
 from .._spelling import closest
 from .._stats import CotangentStats, leaf_statistics, stats_p
+from .._warn import warn_user
 from ._spec import WATCH_TAG, Watch
 
 LOOPS = (_compat.SCAN, _compat.WHILE)  # watched by their carries, at each iteration
@@ -62,6 +77,7 @@ class Watcher:
         self.prefix = current_prefix()
         self.matched: set[str] = set()  # the names that matched an equation
         self.logged = False  # whether anything passed `where` and `max_depth`
+        self.replaying = 0  # inside `replay`: the program's own logs are not bound again
 
     def watches(self, eqn: _compat.JaxprEqn) -> bool:
         """Whether `eqn`'s outputs (a loop's: its carry) are logged."""
@@ -103,11 +119,23 @@ class Watcher:
         self.flush()
         return [read(v) for v in jaxpr.outvars]
 
+    def replay(self, closed: Any, args: Sequence[Any], path: str, outer: tuple, counters) -> None:
+        """Evaluate `closed` for its watched values alone: a computation the program runs
+        another way (a custom_vjp's primal, where its forward rule runs), whose own logs
+        come from what runs."""
+        self.replaying += 1
+        try:
+            self.eval(closed, args, path, outer, counters)
+        finally:
+            self.replaying -= 1
+
     def flush(self) -> None:
         """Before a nested jaxpr is evaluated, and at the end of one: a subclass that gathers
         values in a straight run of equations logs them here."""
 
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
+        if is_log(eqn) and self.replaying:
+            return []  # (the computation that runs logs it)
         if is_log(eqn) or is_sow(eqn) or eqn.primitive is stats_p:
             self.flush()  # (what was gathered comes before, in execution order)
             return _compat.bind_eqn(eqn, invals)  # eqx_logs' own: as it is
@@ -217,15 +245,48 @@ def _while(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[A
     cond, cond_n, body, body_n = _compat.while_parts(eqn)
     cond_consts, body_consts = invals[:cond_n], invals[cond_n : cond_n + body_n]
     carried = w.watches(eqn)
+    lanes = len(_compat.unpack(cond)[0].outvars[0].aval.shape)
 
-    def cond_fun(carry):
+    def test(carry):
         return w.eval(cond, [*cond_consts, *carry], f"{path}cond/", outer)[0]
 
-    def body_fun(carry):
-        carry = w.eval(body, [*body_consts, *carry], path, outer)
-        return _carry(w, path, carry, eqn, outer) if carried else carry
+    if not lanes:
 
-    return list(jax.lax.while_loop(cond_fun, body_fun, invals[cond_n + body_n :]))
+        def body_fun(carry):
+            carry = w.eval(body, [*body_consts, *carry], path, outer)
+            return _carry(w, path, carry, eqn, outer) if carried else carry
+
+        return list(jax.lax.while_loop(test, body_fun, invals[cond_n + body_n :]))
+
+    # A vmap batched the predicate (a `jax.vmap` inside the spool): JAX's batching rule leaves
+    # a loop that runs while any lane's predicate holds, each carry leaf batched on the
+    # predicate's axes and advanced where its lane's holds (as XLA lowers it). Rebuilt so,
+    # each lane's carry logged for the iterations that lane runs, as if it ran alone.
+    def lane_body(carry):
+        pred = _bound(cond, [*cond_consts, *carry])[0]  # (watched in the test)
+        new = w.eval(body, [*body_consts, *carry], path, outer)
+        carry = [_where(pred, n, c) for n, c in zip(new, carry)]
+        return _lane_carry(w, path, carry, pred, eqn, outer) if carried else carry
+
+    init = invals[cond_n + body_n :]
+    return list(jax.lax.while_loop(lambda c: jnp.any(test(c)), lane_body, init))
+
+
+def _where(pred: Any, new: Any, old: Any) -> Any:
+    """`new` in the lanes where `pred` (on the leading axes) holds, else `old`."""
+    return jax.lax.select(jax.lax.broadcast_in_dim(pred, old.shape, range(pred.ndim)), new, old)
+
+
+def _lane_carry(w: Watcher, path: str, carry: list[Any], pred: Any, eqn, outer) -> list[Any]:
+    """`_carry` for each lane of the predicate's axes, its events kept where it holds."""
+
+    def lane(p, *xs):
+        with masked_events(p, None):
+            return _carry(w, path, list(xs), eqn, outer)
+
+    for _ in range(pred.ndim):
+        lane = jax.vmap(lane)
+    return list(lane(pred, *carry))
 
 
 def _cond(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
@@ -252,14 +313,25 @@ def _custom_jvp(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> l
 
 
 def _custom_vjp(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
+    """The primal watched; differentiated, the forward rule runs as it is, and the primal
+    once more for its watched values alone. The forward rule is another program: Equinox's
+    checkpointed while loop (diffrax's default adjoint) runs a loop whose carry holds the
+    primal's and the checkpoints', so its positions are not the addresses of the program
+    the user traced (`while[0]/carry/3` would name a checkpoint counter)."""
     prefix = current_prefix()
     entry = collections.Counter(counters)
+    primal = _compat.call_jaxpr(eqn)
+    whole = eqn.params["num_consts"] == 0  # (the forward rule sees every primal input)
 
     def fun(args, extra):
-        return w.eval(_compat.call_jaxpr(eqn), args, path, outer, counters)
+        return w.eval(primal, args, path, outer, counters)
 
     def fwd(fwd_closed, args, extra):
-        return w.eval(fwd_closed, args, path, outer, collections.Counter(entry)), []
+        if not whole:  # (constants the forward rule does not see: watched in it, as it is)
+            return w.eval(fwd_closed, args, path, outer, collections.Counter(entry)), []
+        outs = _bound(fwd_closed, args)
+        w.replay(primal, args, path, outer, collections.Counter(entry))
+        return outs, []
 
     def bwd_context(*carried):
         return logging_as(prefix, enabled=None)
@@ -267,6 +339,21 @@ def _custom_vjp(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> l
     return _compat.bind_custom_vjp(
         eqn, invals, [], fun, fwd, lambda: logging_as(prefix), bwd_context
     )
+
+
+def _bound(closed: Any, args: Sequence[Any]) -> list[Any]:
+    """`closed` evaluated on `args` in the current trace, each equation bound as it is."""
+    jaxpr, consts = _compat.unpack(closed)
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+
+    def read(v):
+        return v.val if isinstance(v, _compat.Literal) else env[v]
+
+    for eqn in jaxpr.eqns:
+        outs = _compat.bind_eqn(eqn, [read(v) for v in eqn.invars])
+        env.update((v, x) for v, x in zip(eqn.outvars, outs) if not isinstance(v, _compat.DropVar))
+    return [read(v) for v in jaxpr.outvars]
 
 
 def _shard_map(w: Watcher, eqn, invals, path: str, outer: tuple, counters) -> list[Any]:
@@ -324,24 +411,30 @@ def run_watched(closed: Any, args: Sequence[Any], spec: Watch, where: str) -> li
 
 def _warn_unmatched(spec: Watch, watcher: Watcher, closed: Any, where: str) -> None:
     present = {e.primitive.name for e in _compat.eqns(closed)}
+    calls = {
+        e.params.get("name")
+        for e in _compat.eqns(closed)
+        if e.primitive.name in _compat.INLINE_CALLS
+    }
     for name in spec.names:
         if name not in watcher.matched:
             near = closest(name, sorted(present))
             hint = f" (did you mean {near!r}?)" if near else ""
-            warnings.warn(
+            if name in calls:
+                hint = (
+                    f" ({name!r} is a jitted function's name: calls are looked through, not "
+                    "watched; watch the primitives or loops inside it, narrowed with where=)"
+                )
+            warn_user(
                 f"{where}: watch={name!r} matches nothing in the program{hint}; the program "
-                f"has {sorted(present)}.",
-                UserWarning,
-                stacklevel=4,
+                f"has {sorted(present)}."
             )
     if (
         watcher.matched
         and not watcher.logged
         and (spec.where is not None or spec.max_depth is not None)
     ):
-        warnings.warn(
+        warn_user(
             f"{where}: the watched {sorted(watcher.matched)} are found, but none at an address "
-            f"that where={spec.where!r} and max_depth={spec.max_depth!r} keep.",
-            UserWarning,
-            stacklevel=4,
+            f"that where={spec.where!r} and max_depth={spec.max_depth!r} keep."
         )

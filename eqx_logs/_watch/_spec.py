@@ -29,13 +29,16 @@ class Watch(eqx.Module):
 
     **Arguments:**
 
-    - `*names`: primitives (`"cholesky"`, `"dot_general"`, `"custom_linear_solve"`, a
-        `jax.jit`'s function name, ...), whose every output is logged, and loop kinds
-        (`"scan"`, `"while"`), whose carry is logged at the end of each iteration.
+    - `*names`: primitives (`"cholesky"`, `"dot_general"`, `"custom_linear_solve"`, ...),
+        whose every output is logged, and loop kinds (`"scan"`, `"while"`), whose carry is
+        logged at the end of each iteration. Calls (`jax.jit`, `jax.checkpoint`, custom
+        derivatives) are looked through, not watched: a jitted function's name is none of
+        these (`jnp.linalg.cholesky` is a jit named `cholesky` around the `cholesky`
+        primitive, whose output `"cholesky"` watches).
     - `where`: only the addresses this matches: a pattern on the key (`"watch/while[*]/*"`;
         `*` matches any characters, brackets are literal) or a function from key to bool.
-    - `max_depth`: only what lies inside at most this many loops, branches and calls (0:
-        the program's top level).
+    - `max_depth`: only what lies inside at most this many loops, branches and shard_maps
+        (0: the program's top level; calls are transparent).
     - `stats`: the statistics logged of each watched array with more than one element
         (scalars are logged as they are), as for [`eqx_logs.instrument`][]; None logs whole
         values (then the policy's reduction applies to them).
