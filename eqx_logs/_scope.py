@@ -226,6 +226,28 @@ def call_site() -> str:
     return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
+# The machinery between the user's call and eqx_logs: a spooled function's program is traced
+# (and checked, for `first_nonfinite="any"`) under `eqx.filter_jit`, `jax.jit`, `nnx.jit`.
+_MACHINERY = ("eqx_logs.", "equinox.", "jax.", "jaxlib.", "flax.")
+
+
+def user_site() -> str:
+    """The user's file:line (function) whose call led into eqx_logs through any of JAX's,
+    Equinox's or Flax's machinery: the line that called a spool or a jitted step (where
+    `call_site` names the first frame outside eqx_logs, a `log` call's line, which may be in
+    a library)."""
+    frame = sys._getframe(1)
+    while frame is not None and (
+        frame.f_code.co_filename == _contextlib_file
+        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
+        or frame.f_globals.get("__name__", "").startswith(_MACHINERY)
+    ):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown location>"
+    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
 @contextlib.contextmanager
 def no_context_steps() -> Iterator[None]:
     """Without the steps of the `scope` blocks around: in a function JAX traces apart (a

@@ -12,7 +12,7 @@ from jaxtyping import PRNGKeyArray
 
 from .._checks import check_count
 from .._spelling import closest
-from .._watch import Watch, as_watch
+from .._watch import CHECK_TAG, Watch, as_watch, is_checked
 from ._composites import Window
 from ._names import DROP, as_reduction
 from ._options import DEFAULTS, OPTIONS, PolicyOptions, check_options, document_options
@@ -115,13 +115,21 @@ class Policy(eqx.Module):
         return Policy(**{**_options(self), **changes})
 
     def selects(self, tags: tuple[str, ...]) -> bool:
-        """Whether an event with these tags is kept."""
+        """Whether an event with these tags is kept. The checks of `first_nonfinite="any"`
+        (`CHECK_TAG`) are the search's own, not the user's events: kept where the policy
+        searches, whatever `tags` and `exclude` say, and by no other."""
+        if CHECK_TAG in tags:
+            return bool(self.first_nonfinite)
         if self.tags is not None and not set(tags) & set(self.tags):
             return False
         return not set(tags) & set(self.exclude)
 
     def reduction(self, key: str, site_reduce: Any = None) -> Any:
-        """The reduction for `key` (or `"drop"`), given the one named at its call sites."""
+        """The reduction for `key` (or `"drop"`), given the one named at its call sites.
+        (The checks of `first_nonfinite="any"` keep theirs: `rules`, `window` and `key` are
+        for the user's keys.)"""
+        if is_checked(key):
+            return self.reduce if site_reduce is None else as_reduction(site_reduce)
         for pattern, reduction in self.rules:
             if fnmatch.fnmatchcase(key, pattern):
                 break

@@ -5,12 +5,14 @@ rewritten with the logs in it (`watched`, for spool and tap); `_api.py`: the fun
 transform `eqx_logs.watch`."""
 
 from ._spec import (
+    CHECK_TAG as CHECK_TAG,
     CHECKED as CHECKED,
     OPERATION as OPERATION,
     WATCH_TAG as WATCH_TAG,
     Watch as Watch,
     as_watch as as_watch,
     checked_key as checked_key,
+    checked_names as checked_names,
     is_checked as is_checked,
     operation_of as operation_of,
 )

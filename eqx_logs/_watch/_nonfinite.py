@@ -20,17 +20,21 @@ on entry).
 import itertools
 import json
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, TypeVar
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .. import _compat
-from .._primitive import BACKWARD_TAG, bind, call_site
+from .._primitive import BACKWARD_TAG, bind
+from .._scope import user_site
+from .._wrapper import AbstractWrapper, build_wrapper, carrying
 from ._rewrite import LOOPS, Watcher, retraced
-from ._spec import OPERATION, WATCH_TAG, Watch, checked_key
+from ._spec import CHECK_TAG, OPERATION, Watch, checked_key
+
+_T = TypeVar("_T")
 
 # Finite inputs give finite outputs: moving, selecting, comparing, bounded functions.
 _FINITE_PRESERVING = frozenset(
@@ -241,7 +245,7 @@ class _AnyNonfinite(Watcher):
         table = json.dumps([[p[1], p[2]] for p in self.pending])
         value = lax.select(jnp.all(finite), jnp.float32(0), jnp.float32(np.nan))
         first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
-        tags = (WATCH_TAG, BACKWARD_TAG) if self.pending[0][3] else (WATCH_TAG,)
+        tags = (CHECK_TAG, BACKWARD_TAG) if self.pending[0][3] else (CHECK_TAG,)
         self.pending = []
         key = checked_key(self.mesh)
         bind({key: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
@@ -249,13 +253,51 @@ class _AnyNonfinite(Watcher):
 
 def checked(closed: Any, args: Sequence[Any]) -> Any:
     """`closed` (traced on `args`) with every operation that can make a non-finite value
-    checked, and the program's inputs checked on entry."""
-    watcher, site = _AnyNonfinite(), call_site()
+    checked, and the program's inputs checked on entry, as a new jaxpr."""
+    site = user_site()
+    return retraced(lambda *xs: run_checked(closed, xs, site), args)
 
-    def run(*xs):
-        for i, x in enumerate(xs):
-            if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x):
-                watcher.gather(x, site, f"the function's input {i}", False)
-        return watcher.eval(closed, xs, "", ())
 
-    return retraced(run, args)
+def run_checked(closed: Any, args: Sequence[Any], site: str | None = None) -> list[Any]:
+    """`closed` evaluated on `args` in the current trace, checked as by `checked`: its inputs
+    checked at `site` (default: the user's line that called in, `user_site`), each under
+    the steps of the `scope` blocks around (`logger.jit`'s step)."""
+    watcher, site = _AnyNonfinite(), site or user_site()
+    for i, x in enumerate(args):
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact) and np.size(x):
+            watcher.gather(x, site, f"the function's input {i}", False)
+    return watcher.eval(closed, args, "", ())
+
+
+class _Checked(AbstractWrapper):
+    """`fun` checked as by `first_nonfinite="any"` where it is traced (`check_with`): a
+    pytree of `fun` (see `AbstractWrapper`)."""
+
+    fun: Callable
+
+    shown: ClassVar[str] = "first_nonfinite"
+
+    @property
+    def __wrapped__(self):
+        return self.fun
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return carrying(self, "first_nonfinite", _Checked._run, args, kwargs)
+
+    def _run(self, args: tuple, kwargs: dict) -> Any:
+        from .._spool import trace_filtered  # (`_spool` imports this module)
+
+        if not _compat.logging_enabled.value:  # no spool traces: nothing to check for
+            return self.fun(*args, **kwargs)
+        site = user_site()
+        closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
+        return rebuild(run_checked(closed, flat, site))
+
+
+def check_with(fun: Callable[..., _T]) -> Callable[..., _T]:
+    """`fun` with the checks of `first_nonfinite="any"` made where it is traced, inside the
+    `scope` blocks around its call: `logger.jit(..., step="i")` wraps the function in its step
+    before its `scope(step=i)`, so that the checks carry the call's step, as its logs do (the
+    spool's own rewrite runs outside that scope). The spool around it searches them with
+    `first_nonfinite=True`."""
+    return build_wrapper(_Checked, fun)

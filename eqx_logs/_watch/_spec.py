@@ -15,6 +15,9 @@ WATCH_TAG = "watch"  # on every event `watch` logs
 # event failed first (its site lists them)
 CHECKED = "first_nonfinite/checked"
 OPERATION = "operation"
+# the tag of those checks: the spool's own bookkeeping, selected by a policy with
+# `first_nonfinite` whatever its `tags` and `exclude` (`Policy.selects`), by no other
+CHECK_TAG = "eqx_logs.first_nonfinite"
 
 
 @functools.cache
@@ -143,3 +146,11 @@ def checked_key(mesh: tuple[str, ...]) -> str:
 def is_checked(key: str) -> bool:
     """Whether `key` is one of `checked_key`'s."""
     return key == CHECKED or key.startswith(f"{CHECKED}@")
+
+
+def checked_names(names: Any, keys: Any) -> list[str]:
+    """Those of `names` (a LogDict's, each a key behind the policy's `prefix`) that are the
+    checks' keys among `keys` (the keys of its `first_nonfinite` report, without the prefix):
+    the spool's bookkeeping, which no logger writes."""
+    ends = [k for k in keys if is_checked(k)]
+    return [n for n in names if any(n.endswith(k) for k in ends)]

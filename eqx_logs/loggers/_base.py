@@ -24,6 +24,7 @@ from .._reduce import (
 from .._spool import spool as _spool
 from .._tap import check_buffer, check_tap_options, tap_with
 from .._watch._api import watch_with
+from .._watch._nonfinite import check_with
 from .._wrapper import AbstractWrapper, build, build_wrapper
 from ._host import Record
 from ._jit import Donate, Jit, Last
@@ -450,6 +451,8 @@ def _jitted_step(
         # as its logs do (the spool's rewrite would run outside it)
         fun = watch_with(fun, policy.watch, "logger.jit")
         policy = without_watch(policy)
+    if policy.first_nonfinite == "any":  # checked inside it too: the checks carry the step
+        fun, policy = check_with(fun), policy.replace(first_nonfinite=True)
     spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
     packing, last = build(Packing, spooled), Last()
     jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None

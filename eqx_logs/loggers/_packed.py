@@ -17,6 +17,7 @@ import numpy as np
 
 from .. import _compat
 from .._logdict import LogDict
+from .._watch import checked_names
 
 # Leaves of at most this many elements are packed.
 SMALL = 1024
@@ -67,9 +68,20 @@ def _packable(x: Any) -> bool:
     )
 
 
+def without_checks(logs: LogDict) -> LogDict:
+    """`logs` without the keys of the checks of `first_nonfinite="any"`: the search's own
+    bookkeeping, which is in its report (`first_nonfinite`), not in a backend's rows."""
+    if logs._nonfinite is None:
+        return logs
+    checks = checked_names(logs, logs._nonfinite[1][0])
+    return logs._without(checks) if checks else logs
+
+
 def pack(logs: LogDict) -> Packed:
-    """`logs` packed, inside the compiled step. The counts go first in their buffer, so that
-    the writer thread tells a write without events by its first elements."""
+    """`logs` packed, inside the compiled step (without the checks of `first_nonfinite`:
+    `without_checks`). The counts go first in their buffer, so that the writer thread tells
+    a write without events by its first elements."""
+    logs = without_checks(logs)
     leaves, treedef = jax.tree.flatten(logs)
     children, aux = logs.tree_flatten()
     first_leaf = np.cumsum([0] + [len(jax.tree.leaves(c)) for c in children])

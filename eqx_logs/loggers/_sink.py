@@ -19,7 +19,7 @@ import numpy as np
 
 from .._logdict import LogDict
 from ._host import Record, event_value, flat_items, host_array, records, to_host
-from ._packed import Layout, Packed, stand_in
+from ._packed import Layout, Packed, stand_in, without_checks
 from ._prepared import Many
 from ._rows import HostRows
 from ._state import LoggerState
@@ -176,8 +176,11 @@ class Sink(AbstractSink):
         self, state: LoggerState, logs: LogDict | Packed, size: int | None = None
     ) -> None:
         """The writer thread fetches `logs` (`fetch_writes`) and writes them (`_write_logs`).
-        Values the backend cannot store are named here, from their types and shapes."""
+        Values the backend cannot store are named here, from their types and shapes. (The
+        checks of `first_nonfinite="any"` are not written: `without_checks`.)"""
         rejected = {}
+        if isinstance(logs, LogDict) and (checked := without_checks(logs)) is not logs:
+            logs, size = checked, None
         if isinstance(logs, Packed):  # the same for every call of a step
             rejected = self.rejected_layout(logs.layout)
         elif self.backend.unstorable is not None:  # a backend that checks

@@ -4,6 +4,7 @@
 from ..._reduce import Policy, unmatched
 from ..._scope import INTERVAL_STEP
 from ..._warn import warn_user
+from ..._watch import CHECK_TAG, is_checked
 from .._keys import site_list
 from .._plan import Plan
 from ._store import Store
@@ -13,13 +14,15 @@ def warn_unmatched(plan: Plan, who: str, store: Store | None = None) -> None:
     """After a run: warn (at the user's call) for what in the policy most likely holds a
     typo: `tags` that selected nothing, an `exclude` tag or `rules` pattern that matches
     nothing but resembles a tag or key logged (`_reduce.unmatched`); with spool's `store`,
-    for step-less keys that `interval` numbers per call (`_stepless`)."""
+    for step-less keys that `interval` numbers per call (`_stepless`). The checks of
+    `first_nonfinite="any"` are the spool's own: not the user's tags or keys, never said."""
     policy = plan.policy
-    if not isinstance(policy, Policy) or not plan.selected:
+    users = {ts: kept for ts, kept in plan.selected.items() if CHECK_TAG not in ts}
+    if not isinstance(policy, Policy) or not users:
         return
-    tags = {t for ts in plan.selected for t in ts}
-    keys = {key for key, _ in plan.reductions_of}
-    selected = any(plan.selected.values())
+    tags = {t for ts in users for t in ts}
+    keys = {key for key, _ in plan.reductions_of if not is_checked(key)}
+    selected = any(users.values())
     for message in unmatched(policy, who, tags, keys, selected):
         warn_user(message)
     if store is not None and (message := _stepless(store, policy, who)):
@@ -32,7 +35,8 @@ def _stepless(store: Store, policy: Policy, who: str) -> str | None:
     calling the spool once per step, each call keeps its first (a step-less key follows
     no step). Say so, naming each such key's `log` lines (the warning itself points at the
     user's call of the spool, not at the model's line that logs) and `scope(step=...)`."""
-    period, counts = policy.interval, store.per_call
+    period = policy.interval
+    counts = {k: n for k, n in store.per_call.items() if not is_checked(k)}
     stepped = [k for k in counts if INTERVAL_STEP in store.info[k].steps]
     if period == 1 or not stepped:
         return None
