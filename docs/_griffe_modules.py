@@ -15,8 +15,11 @@ is shown as the `repr` of its value (`MISSING`) where that value has a `repr` of
 
 A docstring whose source holds a line `{policy_options}` (or `{tap_options}`) is filled in at
 import time from the one declaration of the policy's options (`eqx_logs/_reduce/_options.py`,
-`document_options`): for those objects the reference shows the docstring Python has, with
-the options' entries, not the source's.
+`document_options`), so that `help(eqx_logs.spool)` lists them all. The reference lists them
+once, in `eqx_logs.Policy`'s entry, each option with an anchor of its own
+(`eqx_logs.Policy(interval)`, as mkdocstrings names a parameter's); the other entries
+(`spool`, `tap`, a logger's `spool`, `tap` and `jit`, `eqx_logs.config.policy`) name the
+options there, each a link to its entry in `Policy`'s.
 """
 
 import dataclasses
@@ -86,7 +89,9 @@ def _private_defaults(pkg: griffe.Module) -> None:
                 p.default = repr(value)
 
 
-_OPTIONS_MARKER = re.compile(r"^\s*\{(policy|tap)_options\}$", re.M)
+_OPTIONS_MARKER = re.compile(r"^([ \t]*)\{(policy|tap)_options\}$", re.M)
+# the one entry that lists the options in full
+_OPTIONS_OWNER = "eqx_logs.Policy"
 
 
 def _runtime(obj: griffe.Object) -> Any:
@@ -97,15 +102,54 @@ def _runtime(obj: griffe.Object) -> Any:
     return value
 
 
+def _public(path: str) -> Any:
+    module, _, name = path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _options_entries(names, indent: str) -> str:
+    """`Policy`'s `**Arguments:**` entries, each with an anchor (`eqx_logs.Policy(reduce)`)."""
+    from eqx_logs._reduce._options import options_doc
+
+    text = options_doc(names, indent)
+    for name in names:
+        item = f"{indent}- `{name}` ("
+        anchor = f"{indent}- [](){{#{_OPTIONS_OWNER}({name})}}`{name}` ("
+        if text.count(item) != 1:
+            raise ValueError(f"{_OPTIONS_OWNER}'s docstring: no single entry for {name!r}.")
+        text = text.replace(item, anchor)
+    return text
+
+
+def _options_links(names, indent: str) -> str:
+    """The options named, each a link to its entry in `Policy`'s (the sentence before the
+    marker names `Policy`: "The policy's options, as for [`eqx_logs.Policy`][]:")."""
+    links = ", ".join(f"[`{name}`][{_OPTIONS_OWNER}({name})]" for name in names)
+    return f"{indent}{links}.\n"
+
+
 def _filled_docstrings(pkg: griffe.Module) -> None:
-    """The docstrings `document_options` fills in: as Python has them."""
+    """The docstrings `document_options` fills in: in full in `Policy`'s, as links in the
+    others'. Checked against the docstring Python has (every marker filled in there)."""
+    from eqx_logs._reduce._options import OPTIONS, TAP_OPTIONS
+
+    owner = None
     for obj in [*_classes(pkg), *_functions(pkg)]:
         if obj.docstring is None or not _OPTIONS_MARKER.search(obj.docstring.value):
             continue
-        doc = inspect.getdoc(_runtime(obj))
-        if _OPTIONS_MARKER.search(doc):
+        runtime = _runtime(obj)
+        if _OPTIONS_MARKER.search(inspect.getdoc(runtime)):
             raise ValueError(f"{obj.path}: its docstring's options were not filled in.")
-        obj.docstring.value = doc
+        is_owner = runtime is _public(_OPTIONS_OWNER)  # (its path is the private one)
+        fill = _options_entries if is_owner else _options_links
+        owner = owner or is_owner
+
+        def entries(m, fill=fill):
+            return fill(list(OPTIONS if m[2] == "policy" else TAP_OPTIONS), m[1]).rstrip("\n")
+
+        obj.docstring.value = _OPTIONS_MARKER.sub(entries, obj.docstring.value)
+    if not owner:
+        raise ValueError(f"{_OPTIONS_OWNER}'s docstring lists no options (`{{policy_options}}`).")
 
 
 class EquinoxModuleInit(griffe.Extension):

@@ -2,8 +2,9 @@
 
 A line `--8<-- "README.md:name"` in a page stands for the lines between README.md's
 `<!-- --8<-- [start:name] -->` and `<!-- --8<-- [end:name] -->` comments (invisible on GitHub;
-the syntax is pymdownx.snippets'), so the home page shows the README's loop as it is. A missing
-file or section fails the build; links are left to mkdocs' validation (strict) to report.
+the syntax is pymdownx.snippets'), so the home page shows the README's loop as it is; a line
+`--8<-- "CHANGELOG.md"` stands for the whole file (the changelog's page). A missing file or
+section fails the build; links are left to mkdocs' validation (strict) to report.
 
 In a table's first column, a code span that names a documented object (`log(data, ...)`,
 `loggers.JsonlLogger`, `LogDict.first_nonfinite`: the name before any `(`, looked up among the
@@ -18,7 +19,7 @@ import inspect
 import pathlib
 import re
 
-_INCLUDE = re.compile(r'^--8<-- "([^":]+):([\w-]+)"[ \t]*$', re.M)
+_INCLUDE = re.compile(r'^--8<-- "([^":]+)(?::([\w-]+))?"[ \t]*$', re.M)
 _README_DOCS_LINK = re.compile(r"\]\(docs/")
 _DIRECTIVE = re.compile(r"^::: *(eqx_logs[\w.]*)", re.M)
 _CODE = re.compile(r"(?<!\[)`([^`\n]+)`(?!\])")
@@ -38,13 +39,16 @@ def section(path: pathlib.Path, name: str) -> str:
 
 
 def expand(text: str, root: pathlib.Path) -> str:
-    """`text` with each `--8<-- "file:name"` line replaced by that section of `root / file`.
+    """`text` with each `--8<-- "file:name"` line replaced by that section of `root / file`,
+    and each `--8<-- "file"` line by the whole file.
 
     The README links to the guide's pages as `docs/page.md`; included in a page (every page
     that includes sections is in docs/ itself), such a link is `page.md`."""
 
     def include(m):
-        return _README_DOCS_LINK.sub("](", section(root / m.group(1), m.group(2)))
+        path = root / m.group(1)
+        text = section(path, m.group(2)) if m.group(2) else path.read_text(encoding="utf-8")
+        return _README_DOCS_LINK.sub("](", text)
 
     return _INCLUDE.sub(include, text)
 

@@ -193,8 +193,11 @@ sys.stdout.write(json.dumps(printed))
 
 
 def _guide():
-    """README.md and the guide's pages (the API reference's pages have no code of their own)."""
-    return ["README.md"] + [p for p in _nav_pages() if not p.startswith("api/")]
+    """README.md and the guide's pages (the API reference's pages have no code of their own, the
+    changelog's page is CHANGELOG.md)."""
+    return ["README.md"] + [
+        p for p in _nav_pages() if not p.startswith("api/") and p != "changelog.md"
+    ]
 
 
 @pytest.mark.fast
@@ -228,6 +231,69 @@ def test_each_page_runs_alone_and_prints_what_it_claims(page, tmp_path, jax_cach
         assert len(printed) >= len(expected), (page, code, out)
         for line, want in zip(printed, expected):
             assert " ".join(line.split()).startswith(" ".join(want.split())), (page, line, want)
+
+
+# The code column's width in characters at a 1280 px wide window: measured in headless Chromium
+# (`chromium --headless --window-size=1280,900`, the theme's monospace font, DejaVu Sans Mono
+# there, as wide as Menlo and wider than SF Mono or Consolas) as the content box of a page's
+# `pre > code` over the width of one character: 700 px / 8.5 px. A longer line scrolls
+# sideways and hides its end (the `# prints` comment). mkdocs.yml's `line_length` (the API's
+# signatures) is the same.
+CODE_COLUMNS = 82
+
+
+def _outside_code(markdown):
+    """`markdown` with its fenced code blocks left out."""
+    return re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M)
+
+
+def _code_lines(markdown):
+    """The lines of `markdown`'s fenced code blocks."""
+    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.S | re.M)
+    return [line for block in blocks for line in block.splitlines()]
+
+
+@pytest.mark.fast
+def test_guide_pages_have_sections_links_and_code_that_fits():
+    """What a reader of the site needs of each guide page: `##` subheadings (the page's table of
+    contents, and anchors to link to), a link into the API reference (Markdown links to
+    api/*.md, cross-references to `eqx_logs...` entries, or the table names docs/_hooks.py
+    links), and code lines no wider than the code column at 1280 px (a `# prints` comment past
+    it is hidden). The pages as the site shows them: README sections included."""
+    hooks = _hooks()
+    names = hooks.api_names(DOCS)
+    for page in _guide()[1:]:
+        text = hooks.link_names(_page(page), names)
+        prose = _outside_code(text)
+        assert re.search(r"^## \S", prose, flags=re.M), f"{page}: no `##` subheading"
+        links = re.findall(r"\]\((api/[\w.]+)(?:#[^)]*)?\)|\]\[(eqx_logs[\w.()]*)\]", prose)
+        links += re.findall(r"\[`(eqx_logs[\w.]*)`\]\[\]", prose)
+        assert links, f"{page}: no link into the API reference"
+        wide = [line for line in _code_lines(text) if len(line) > CODE_COLUMNS]
+        assert not wide, f"{page}: code lines wider than {CODE_COLUMNS} characters: {wide}"
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    (mkdocstrings,) = [p["mkdocstrings"] for p in config["plugins"] if "mkdocstrings" in p]
+    options = mkdocstrings["handlers"]["python"]["options"]
+    assert options["line_length"] == CODE_COLUMNS
+
+
+@pytest.mark.fast
+def test_site_config_and_the_home_pages_way_on():
+    """mkdocs.yml names the site's and the repository's addresses (the 404 page's links work
+    under a sub-path, the sitemap lists the pages), the changelog is a page of the nav (the
+    whole of CHANGELOG.md), and the home page's "Where to go next" links every guide page."""
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    assert re.fullmatch(r"https://[\w.-]+/([\w.-]+/)*", config["site_url"]), config["site_url"]
+    assert config["repo_url"].startswith("https://")
+    assert "changelog.md" in _nav_pages(config["nav"])
+    assert "CHANGELOG.md" in config["watch"]
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert _page("changelog.md").strip() == changelog.strip()
+    home = _page("index.md")
+    section = home[home.index("## Where to go next") :]
+    linked = set(re.findall(r"\]\(([\w-]+\.md)\)", section))
+    guide = set(_guide()[1:]) - {"index.md"}
+    assert guide <= linked, f"not in the home page's list: {sorted(guide - linked)}"
 
 
 def _build(root, site):
@@ -272,6 +338,54 @@ def test_strict_build(site):
     assert 'href="docs/' not in html["index.html"]
 
 
+def test_site_lists_the_policy_options_once_and_works_under_a_sub_path(site):
+    """The policy's options are described in `Policy`'s entry alone, each under an anchor of its
+    own; `spool`, `tap`, the loggers' `spool`, `tap` and `jit` and `eqx_logs.config.policy`
+    link to those anchors (`help()` still lists them all). With `site_url` set, the 404 page's
+    links start at its path and the sitemap lists every page."""
+    from eqx_logs._reduce._options import OPTIONS, TAP_OPTIONS
+
+    result, folder, html = site
+    assert result.returncode == 0, result.stdout + result.stderr
+    api = {page: text for page, text in html.items() if page.startswith("api/")}
+    for name in OPTIONS:
+        anchor = f'id="eqx_logs.Policy({name})"'
+        assert [p for p, text in api.items() if anchor in text] == ["api/core.html"], name
+        assert api["api/core.html"].count(anchor) == 1, name
+    # the entries of the options' list (`reduce` (default 'stack'): ...), once in all the API
+    assert sum(text.count("(default <code>") for text in api.values()) == len(OPTIONS)
+    linking = {
+        "api/core.html": ["eqx_logs.spool", "eqx_logs.tap"],
+        "api/loggers.html": [
+            "eqx_logs.loggers.AbstractLogger.spool",
+            "eqx_logs.loggers.AbstractLogger.tap",
+            "eqx_logs.loggers.AbstractLogger.jit",
+        ],
+        "api/config.html": ["eqx_logs.config.policy"],
+    }
+    for page, entries in linking.items():
+        prefix = "" if page == "api/core.html" else "core.html"
+        for entry in entries:
+            text = api[page]
+            start = text.index(f'id="{entry}" class="doc doc-heading"')
+            body = text[start : text.index('class="doc doc-heading"', start + len(entry) + 30)]
+            names = TAP_OPTIONS if entry.endswith("tap") else tuple(OPTIONS)
+            for name in names:
+                assert f'href="{prefix}#eqx_logs.Policy({name})"' in body, (entry, name)
+            assert "drop events carrying any of these tags" not in body, entry
+    assert "drop events carrying any of these tags" in inspect.getdoc(eqx_logs.spool)
+
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    base = re.sub(r"^https?://[^/]+", "", config["site_url"])
+    assert base.startswith("/") and base.endswith("/")
+    missing = html["404.html"]
+    assert f'href="{base}assets/stylesheets/' in missing and f'href="{base}index.html"' in missing
+    sitemap = (folder / "sitemap.xml").read_text()
+    locs = set(re.findall(r"<loc>(.*?)</loc>", sitemap))
+    pages = {p for p in html if p != "404.html"}
+    assert locs == {config["site_url"] + p for p in pages}, sorted(locs)
+
+
 def _signature(page, name):
     """The text of `name`'s rendered signature in `page` (tags stripped)."""
     start = page.index(f'id="{name}"')
@@ -293,9 +407,9 @@ def test_site_polish(site):
     instrument = _signature(html["api/config.html"], "eqx_logs.config.InstrumentConfig")
     assert "lambda" not in instrument and "DEFAULT_STATS" not in instrument, instrument
     assert "stats: list[str] = [" in instrument and '"mean"' in instrument, instrument
-    assert "exclude: list[str] = []," in _signature(
-        html["api/config.html"], "eqx_logs.config.PolicyConfig"
-    )
+    # a `field(default_factory=list)` shows the default it makes
+    policy_config = _signature(html["api/config.html"], "eqx_logs.config.PolicyConfig")
+    assert re.search(r"\bexclude: [\w\[\]]+ = \[\],", policy_config), policy_config
     assert 'class="doc doc-label doc-label-dataclass' in html["api/config.html"]
 
     # every name of the API table (README.md's `api` section) links to its API entry
@@ -329,7 +443,7 @@ def test_site_polish(site):
 
 def test_strict_build_fails_on_a_broken_reference(tmp_path):
     pytest.importorskip("mkdocs", reason="the docs extra: pip install -e '.[docs]'")
-    for name in ("mkdocs.yml", "README.md"):
+    for name in ("mkdocs.yml", "README.md", "CHANGELOG.md"):
         shutil.copy(ROOT / name, tmp_path / name)
     shutil.copytree(DOCS, tmp_path / "docs")
     (tmp_path / "eqx_logs").symlink_to(ROOT / "eqx_logs")  # the API's source (and `watch`)
