@@ -418,6 +418,16 @@ def test_under_grad_equinox_checkpointed_loop_keeps_its_addresses():
         assert graded[k].dtype == last[k].dtype
         np.testing.assert_array_equal(graded[k], last[k])
 
+    # a spool around the derivative: its forward rule's loop (3 iterations) only; Equinox's
+    # backward pass recomputes in a loop of its own (4), watched with backward=True
+    def loops(watch):
+        _, logs = el.spool(jax.grad(checkpointed_halving), watch=watch, reduce="last")(8.0)
+        return {k.split("/carry/")[0]: int(n) for k, n in logs.count.items()}
+
+    assert loops(el.Watch("while", stats=None)) == {"watch/while[0]": 3}
+    both = loops(el.Watch("while", stats=None, backward=True))
+    assert both == {"watch/while[0]": 3, "watch/while[1]": 4}
+
 
 def test_under_grad_diffrax_default_adjoint_watches_the_state():
     """diffrax's Tsit5 with its default adjoint (`RecursiveCheckpointAdjoint`: Equinox's
