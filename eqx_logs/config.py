@@ -35,9 +35,9 @@ from ._reduce import (
     Policy,
     PolicyOptions,
     as_reduction,
-    check_options,
     document_options,
 )
+from ._spelling import closest
 from ._stats import DEFAULT_STATS, STATS, check_stats
 from ._watch import as_watch
 
@@ -48,19 +48,26 @@ _M = TypeVar("_M")
 class PolicyConfig:
     """The schema of the `logging` group (`eqx_logs/logging/base`): the fields of an
     [`eqx_logs.Policy`][], instantiated by [`eqx_logs.config.policy`][] (`seed` gives the
-    policy's `key`; `config_key` names the group in error messages)."""
+    policy's `key`; `config_key` names the group in error messages).
+
+    Hydra checks the types when it composes (`logging.interval=abc` is its error). A key that
+    is no field (`logging.intervall=10`) is let through to `eqx_logs.config.policy`, which
+    refuses it naming the option it is closest to (`did you mean logging.interval?`), as
+    OmegaConf's own error would not."""
 
     _target_: str = "eqx_logs.config.policy"
     _convert_: str = "all"  # plain containers, and nested `_target_` reductions kept as modules
     reduce: Any = "stack"
     interval: int = 1
     window: int | None = None
-    tags: list[str] | None = None
-    exclude: list[str] = field(default_factory=list)
+    # tags, exclude, across: a string or a list of them (`logging.tags=train` is one tag,
+    # `'logging.tags=[train,eval]'` two), as spool's
+    tags: Any = None
+    exclude: Any = field(default_factory=list)
     rules: dict[str, Any] = field(default_factory=dict)
     prefix: str = ""
     seed: int | None = None
-    across: list[str] = field(default_factory=list)
+    across: Any = field(default_factory=list)
     first_nonfinite: Any = False  # true, false or "any"
     # a primitive or loop name, a list of them, or {names: [...], where: ..., max_depth: ...,
     # stats: [...]} (the arguments of eqx_logs.Watch)
@@ -188,8 +195,11 @@ def _bad(config_key: str, name: str, value: Any, why: str) -> ValueError:
 def policy(
     *, seed: int | None = None, config_key: str = "logging", **options: Unpack[PolicyOptions]
 ) -> Policy:
-    """An [`eqx_logs.Policy`][] from config values (OmegaConf lists become tuples). A bad value
-    raises a `ValueError` naming the config key and the value, e.g. `logging.interval=0`.
+    """An [`eqx_logs.Policy`][] from config values (OmegaConf lists become tuples, a string
+    of `tags`, `exclude` or `across` one name). A bad value raises a `ValueError` naming the
+    config key and the value, e.g. `logging.interval=0`; a key that is no option a `TypeError`
+    naming the option it is closest to (`logging.intervall=10`: `did you mean
+    logging.interval?`).
 
     **Arguments:**
 
@@ -201,8 +211,16 @@ def policy(
 
     {policy_options}
     """
-    check_options("eqx_logs.config.policy", options, also=("seed", "config_key"))
     bad = functools.partial(_bad, config_key)
+    for name in options:  # a config key that is no option: `logging.intervall=10`
+        if name not in OPTIONS:
+            known = [n for n in OPTIONS if n != "key"] + ["seed"]
+            near = closest(name, known)
+            meant = f" Did you mean {config_key}.{near}?" if near else ""
+            raise TypeError(
+                f"{config_key}.{name}={_plain(options[name])!r}: {config_key} has no option "
+                f"{name!r}.{meant} Its options are {known} (eqx_logs.config.PolicyConfig)."
+            )
     values = {**DEFAULTS, **{name: _plain(value) for name, value in options.items()}}
     for name, optional in (("interval", False), ("window", True)):
         if not (optional and values[name] is None or is_count(values[name])):
@@ -216,17 +234,17 @@ def policy(
         raise bad("rules", rules, "must be a mapping from key pattern to reduction")
     for pattern, value in rules.items():
         try:
-            as_reduction(value, allow_drop=True)
-        except ValueError:
-            raise bad(
-                f"rules.{pattern}", value, "not a reduction name, a reduction, or 'drop'"
-            ) from None
+            as_reduction(value, allow_drop=True, where="rule")
+        except ValueError as e:
+            raise bad(f"rules.{pattern}", value, str(e).split(": ", 1)[-1]) from None
     for name in ("tags", "exclude", "across"):
         value = values[name]
+        if isinstance(value, str):  # one tag: `logging.tags=train`, as `spool(tags="train")`
+            value = [value]
         if value is not None and not (
             isinstance(value, list | tuple) and all(isinstance(t, str) for t in value)
         ):
-            raise bad(name, value, "must be a list of strings")
+            raise bad(name, value, "must be a string or a list of strings")
         values[name] = value if value is None and name == "tags" else tuple(value or ())
     if not (isinstance(values["first_nonfinite"], bool) or values["first_nonfinite"] == "any"):
         raise bad("first_nonfinite", values["first_nonfinite"], 'must be true, false or "any"')
@@ -395,7 +413,10 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     # under eqx_logs/: schemas to extend (`- /eqx_logs/logging/base@_here_`), not options of
     # the groups `logging`, `logger` and `instrument` themselves
-    cs.store(group="eqx_logs/logging", name="base", node=PolicyConfig)
+    # open to keys that are no field, so that `policy` names the closest (`PolicyConfig`)
+    logging = OmegaConf.structured(PolicyConfig)
+    OmegaConf.set_struct(logging, False)
+    cs.store(group="eqx_logs/logging", name="base", node=logging)
     cs.store(group="eqx_logs/instrument", name="base", node=InstrumentConfig)
     for name, node in (
         ("console", ConsoleLoggerConfig),

@@ -2,7 +2,7 @@
 
     python examples/train.py                          # examples/conf/config.yaml defaults
     python examples/train.py logging.interval=100 logging.reduce=mean
-    python examples/train.py 'logging.tags=[train]' logger=console
+    python examples/train.py logging.tags=train logger=console   # one tag, or '[train,eval]'
     python examples/train.py logging=debug
     python examples/train.py --multirun logging.interval=1,10
 
@@ -35,20 +35,42 @@ step, pass, where it was logged).
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 import equinox as eqx
 import hydra
 import jax
 import jax.numpy as jnp
 import numpy as np
+from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate, to_absolute_path
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 import eqx_logs
 import eqx_logs.config  # noqa: F401  (registers the structured configs)
 import eqx_logs.loggers
+
+
+@dataclass
+class TrainConfig:
+    """The schema of the config's `train` block (its values are in conf/config.yaml): Hydra
+    checks each override against these types when it composes the config, so that
+    `train.lr=abc` is refused naming `train.lr`, before anything runs."""
+
+    steps: int = MISSING  # training steps, scanned inside eqx.filter_jit
+    chunk: int = MISSING  # steps per jitted call (logs are written after each)
+    lr: float = MISSING
+    width: int = MISSING
+    batch: int = MISSING
+    seed: int = MISSING
+    run: int = MISSING  # the logger's run index
+    stream: bool = MISSING  # logger.tap writes each event as it happens, instead of spooling
+
+
+# conf/config.yaml's defaults list puts it under `train` (`- optional schema@train: train`)
+ConfigStore.instance().store(group="schema", name="train", node=TrainConfig)
 
 # The summary goes through Python's logging: Hydra writes it to the console and to the run's
 # `train.log` (examples/conf/config.yaml: plain lines on the console).

@@ -61,6 +61,7 @@ DEBUG_KEYS = {"activation/0", "activation/1"}
 
 
 def compose_cfg(*overrides: str, config_dir: Path = CONF):
+    train_module()  # registers the `train` block's schema (`TrainConfig`), as train.py's run does
     with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
         return compose("config", overrides=list(overrides))
 
@@ -501,6 +502,82 @@ def test_wrong_type_is_hydras_error(override, value):
     assert value in str(info.value.__cause__)
 
 
+# A key that is no option of the group: Hydra lets it through (`PolicyConfig`'s node is open)
+# and `eqx_logs.config.policy` refuses it, naming the option it is closest to.
+MISSPELT = {
+    "intervall": ("logging.intervall=10", "logging.interval", 10),
+    "tag": ("logging.tag=train", "logging.tags", ("train",)),
+    "case": ("logging.Reduce=mean", "logging.reduce", Mean()),
+    "in a preset": ("logging=train logging.windw=10", "logging.window", 10),
+    "nothing close": ("+logging.frobnicate=1", None, None),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("overrides, meant, value", MISSPELT.values(), ids=list(MISSPELT))
+def test_a_misspelt_logging_key_names_the_closest_option(overrides, meant, value):
+    *preset, override = overrides.split()
+    key, given = override.lstrip("+").split("=")
+    with pytest.raises(InstantiationException) as info:
+        compose_policy(*preset, override)
+    message = str(info.value.__cause__)
+    assert isinstance(info.value.__cause__, TypeError)
+    assert re.match(rf"{re.escape(key)}='?{given}'?: logging has no option '{key[8:]}'\.", message)
+    assert "Its options are ['reduce', 'interval', 'window', 'tags'," in message, message
+    if meant is None:
+        assert "Did you mean" not in message, message
+    else:
+        assert f"Did you mean {meant}?" in message, message
+        # the option meant, written instead, is a real one and takes the value
+        got = getattr(compose_policy(*preset, f"{meant}={given}"), meant.split(".")[1])
+        assert got == value
+
+
+@pytest.mark.fast
+def test_one_tag_is_a_list_of_one():
+    """`logging.tags=train` is `spool(tags="train")`'s one tag (as `logging.tags=[train]`);
+    so for `exclude` and `across`. Anything else is still refused, naming the key, and a
+    misspelt tag is still said after the trace (the policy's own check, as in a spool)."""
+    for key in ("tags", "exclude", "across"):
+        one = compose_policy(f"logging.{key}=train")
+        assert getattr(one, key) == ("train",) == getattr(eqx_logs.Policy(**{key: "train"}), key)
+        assert getattr(compose_policy(f"logging.{key}=[train]"), key) == ("train",)
+    assert compose_policy("logging=train", "logging.tags=eval").tags == ("eval",)
+    for bad in ("logging.tags=3", "logging.tags=[train,3]", "logging.tags={a: 1}"):
+        with pytest.raises(InstantiationException) as info:
+            compose_policy(bad)
+        assert f"{bad.split('=')[0]}=" in str(info.value.__cause__), bad
+        assert "must be a string or a list of strings" in str(info.value.__cause__), bad
+
+    def f(x):
+        eqx_logs.log({"loss": x}, tags="train")
+        return x
+
+    with pytest.warns(UserWarning, match=r"tags=\('trian',\).*Did you mean 'train' for 'trian'"):
+        eqx_logs.spool(f, policy=compose_policy("logging.tags=trian"))(jnp.float32(1.0))
+
+
+# examples/train.py's `train` block has a schema (`TrainConfig`): a value of the wrong type is
+# Hydra's error at composition, naming the key, before anything runs.
+TRAIN_TYPE_ERRORS = {
+    "lr": ("train.lr=abc", "could not be converted to Float"),
+    "steps": ("train.steps=1.5", "could not be converted to Integer"),
+    "stream": ("train.stream=maybe", "is not a valid bool"),
+    "misspelt": ("train.lrr=0.1", "Key 'lrr' not in 'TrainConfig'"),
+}
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("override, why", TRAIN_TYPE_ERRORS.values(), ids=list(TRAIN_TYPE_ERRORS))
+def test_the_train_block_has_a_schema(override, why):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_cfg(override)
+    assert why in str(info.value.__cause__)
+    assert f"full_key: {override.split('=')[0]}" in str(info.value.__cause__)
+    cfg = compose_cfg("train.lr=5")  # an int where a float goes: converted, as a float
+    assert cfg.train.lr == 5.0 and isinstance(cfg.train.lr, float)
+
+
 # --------------------------------------------------------------------------------------------
 # logging.first_nonfinite and the instrument group (eqx_logs.config.InstrumentConfig)
 # --------------------------------------------------------------------------------------------
@@ -882,9 +959,10 @@ def test_debug_keeps_debug_tagged_keys(debug):
 
 
 def test_tags_train(train_run):
-    """`'logging.tags=[train]'` on top of `logging=debug` (which excludes nothing): the
-    debug-tagged activations are gone because of the tag filter alone."""
-    run = train_run("tags", "logging=debug", "logging.tags=[train]").ok()
+    """`logging.tags=train` (one tag, as `spool(tags="train")`; `'logging.tags=[train]'`
+    composes the same, `test_one_tag_is_a_list_of_one`) on top of `logging=debug` (which
+    excludes nothing): the debug-tagged activations are gone because of the tag filter alone."""
+    run = train_run("tags", "logging=debug", "logging.tags=train").ok()
     assert "tags=('train',), exclude=()" in run.stdout
     records = read_lines(run.out / "logs.jsonl")
     assert {r["key"] for r in records} == TRAIN_KEYS
@@ -1009,13 +1087,16 @@ def test_help_lists_the_groups_to_pick_not_the_schemas():
     assert {g for g in hydras if g.startswith("eqx_logs/")} == {
         "eqx_logs/logging", "eqx_logs/logger", "eqx_logs/instrument"
     }  # fmt: skip
-    user = {g: options for g, options in hydras.items() if not g.startswith("eqx_logs/")}
+    assert hydras["schema"] == "train"  # train.py's `TrainConfig`, the `train` block's types
+    schemas = ("eqx_logs/", "schema")
+    user = {g: options for g, options in hydras.items() if not g.startswith(schemas)}
     assert groups == user, shown  # every group to pick, with every option, and nothing else
     assert set(user) == {"logging", "logger", "instrument"}
     for group, what in [("logging", "eqx_logs.Policy"), ("logger", "eqx_logs.loggers")]:
         line = shown.splitlines()[shown.splitlines().index(f"{group}: {user[group]}") + 1]
         assert line.startswith("    ") and what in line, shown
     assert "eqx_logs/logger/<backend>" in shown and "schemas" in shown, shown
+    assert "schema/train is the schema of `train`" in shown, shown
     assert re.search(r"^== Config ==$", shown, re.M) and "  steps: 2000" in shown, shown
 
 
@@ -1098,6 +1179,28 @@ def test_bad_override_exits_with_message(train_run):
     assert "logging.reduce='meen'" in output, output
     assert "Traceback" not in output, output
     assert not re.search(r"^loss ", run.stdout, re.M)  # failed before training
+    assert not (run.out / "logs.jsonl").exists()
+
+
+# The mistakes of the issue on the real command line: a failed exit, Hydra's few lines naming
+# the key (no traceback, nothing traced or trained), with what to write instead.
+BAD_COMMAND_LINES = {
+    "lr": ("train.lr=abc", ["train.lr=abc", "full_key: train.lr", "to Float"]),
+    "intervall": ("logging.intervall=10", ["logging.intervall=10", "logging.interval?"]),
+}
+
+
+@pytest.mark.parametrize("override, said", BAD_COMMAND_LINES.values(), ids=list(BAD_COMMAND_LINES))
+def test_a_newcomers_bad_override_is_said_in_a_few_lines(train_run, override, said):
+    run = train_run(f"bad_{override}", override)
+    assert run.rc == 1
+    output = run.stdout + run.stderr
+    for text in said:
+        assert text in output, output
+    # 6 lines for train.lr=abc and 5 for logging.intervall=10 (Hydra's advice on
+    # HYDRA_FULL_ERROR included), where train.lr=abc was a 52-line traceback from the jitted step
+    assert len(output.strip().splitlines()) <= 7, output
+    assert "Traceback" not in output and "jit" not in output, output
     assert not (run.out / "logs.jsonl").exists()
 
 
