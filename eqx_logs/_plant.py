@@ -31,6 +31,8 @@ from ._primitive import (
     current_prefix,
     normalise_tags,
     sow_p,
+    sow_tangent_p,
+    tracing_context,
 )
 from ._reduce import DROP, Count, Policy
 from ._rules import RULES
@@ -199,6 +201,8 @@ class _Plant(Spool):
         return Count() if key in self.values else DROP
 
     def sown(self, eqn: _compat.JaxprEqn, invals: list[Any], states: dict[str, Any]) -> Any:
+        if eqn.primitive is sow_tangent_p:
+            return self._derivative(eqn, invals)
         key, nbatch = eqn.params["key"], eqn.params["nbatch"]
         hidden = eqn.params.get("hidden", False)  # an instrumented submodule's output
         (self.paths if hidden else self.seen).add(key)
@@ -215,6 +219,19 @@ class _Plant(Spool):
         count = states[key]["count"]  # events before this one (its log comes after)
         if mesh := self.interp.manual.local_axes(info):  # in a shard_map: the device's block,
             count = count.reshape(count.shape[mesh:])  # its mesh axes (of size 1) first
+        outs = self._replaced(key, xs, count, nbatch)
+        if not eqn.params.get("indexed", False):
+            return outs
+        # differentiated inside the planted function: the event's index, which its derivative
+        # reads where `at` chooses events (else 0: known, so the derivative needs no residual)
+        batch = xs[0].shape[:nbatch]
+        if not isinstance(self.values[key], _At) or _known(count):
+            known = count if isinstance(self.values[key], _At) else 0
+            return [*outs, np.broadcast_to(np.asarray(known, np.int32), batch)]
+        return [*outs, jnp.broadcast_to(jnp.asarray(count, jnp.int32), batch)]
+
+    def _replaced(self, key: str, xs: list[Any], count: Any, nbatch: int) -> list[Any]:
+        """The sown leaves `xs` of an event of `key` (the `count`-th) replaced."""
         planted, hits = self.values[key], True
         if isinstance(planted, _At):
             planted, hits = planted.replacement, self._hits(key, planted.index, count, xs, nbatch)
@@ -226,6 +243,75 @@ class _Plant(Spool):
         if hits is True:
             return new
         return [jnp.where(_lanes_first(hits, x), n, x) for n, x in zip(new, xs)]
+
+    def _derivative(self, eqn: _compat.JaxprEqn, invals: list[Any]) -> list[Any]:
+        """The derivative of what is planted, for a planted key differentiated inside the
+        planted function (`_primitive.sow_tangent_p`: a jvp, or `transposed`, a vjp): zero
+        for a value or a row (it does not depend on the inputs), `fn`'s at the sown value for
+        a function `fn`, the sown value's own (the identity) for the events `at` leaves."""
+        key, nbatch, ins, outs = (eqn.params[k] for k in ("key", "nbatch", "ins", "outs"))
+        if key not in self.values:  # for an enclosing plant
+            return _compat.bind_eqn(eqn, invals)
+        index, *rest = force(invals)  # (the index as the plant gave it: known, if it is)
+        n = len(rest) - len(ins)
+        xs, linear = [jnp.asarray(x) for x in rest[:n]], [jnp.asarray(t) for t in rest[n:]]
+
+        def unchanged(x, t):  # the sown value's own derivative: the identity
+            by_leaf = dict(zip(ins, t))
+            return [by_leaf[i] if i in by_leaf else jnp.zeros_like(x[i]) for i in outs]
+
+        planted, hits = self.values[key], True
+        if isinstance(planted, _At):
+            planted, hits = planted.replacement, self._hits(key, planted.index, index, xs, nbatch)
+            if hits is False:
+                return unchanged(xs, linear)
+        if not callable(planted):  # a value or a row: a constant
+            same = unchanged(xs, linear)
+            if hits is True:
+                return [jnp.zeros_like(t) for t in same]
+            return [jnp.where(_lanes_first(hits, t), 0, t) for t in same]
+        transposed = eqn.params["transposed"]
+        derivative = self._derivative_of(key, planted, ins, outs, nbatch, transposed)
+
+        def lane(hit, *leaves):
+            x, t = list(leaves[:n]), list(leaves[n:])
+            if hit is None:
+                return derivative(x, t)
+            return lax.cond(hit, derivative, unchanged, x, t)
+
+        if hits is True:
+            return _vmap(functools.partial(lane, None), nbatch)(*xs, *linear)
+        return _vmap(lane, nbatch)(hits, *xs, *linear)
+
+    def _derivative_of(
+        self, key: str, fn: Callable, ins: tuple, outs: tuple, nbatch: int, transposed: bool
+    ) -> Callable:
+        """`(x, t) -> derivative`, of `fn` planted at `key` on one example's leaves `x`: its
+        jvp (tangents `t` of the leaves `ins`, those of the leaves `outs` returned) or, if
+        `transposed`, its vjp (cotangents of its outputs' leaves `ins`, those of the sown
+        leaves `outs` returned). Traced with logging off: `fn`'s logs are its primal call's."""
+        info = self.interp.plan.info[key]
+        call = self._call(key, fn, nbatch)
+
+        def full(x, given):  # every leaf's (co)tangent: zeros but those of `ins`
+            by_leaf = dict(zip(ins, given))
+            return jtu.tree_unflatten(
+                info.treedef,
+                [by_leaf[i] if i in by_leaf else _zero_tangent(a) for i, a in enumerate(x)],
+            )
+
+        def derivative(x, t):
+            primal = jtu.tree_unflatten(info.treedef, x)
+            with tracing_context(enabled=False):
+                if transposed:
+                    _, vjp = jax.vjp(call, primal)
+                    (got,) = vjp(full(x, t))
+                else:
+                    _, got = jax.jvp(call, (primal,), (full(x, t),))
+            leaves = jtu.tree_leaves(got)
+            return [leaves[i] for i in outs]
+
+        return derivative
 
     def _hits(self, key: str, index: Any, count: Any, xs: list[Any], nbatch: int) -> Any:
         """Whether this event of `key` is one of `index` (`at`): a bool if known now, else a
@@ -250,18 +336,26 @@ class _Plant(Spool):
         self._check_varies(key, xs, "`eqx_logs.at` with an index known only when it runs")
         return jnp.broadcast_to(hit, batch)
 
-    def _called(self, key: str, fn: Callable, xs: list[Any], nbatch: int, hits: Any) -> Any:
-        """`fn` of each sown value (of each lane's, under a vmap inside the planted function),
-        where `hits` (True, or a bool per lane)."""
+    def _call(self, key: str, fn: Callable, nbatch: int) -> Callable:
+        """`fn`, planted at `key`, as it is called on one example's sown value: checked, and
+        varying over the shard_map's mesh axes as the sown value does (a cond needs it)."""
         info = self.interp.plan.info[key]
         vary = self.interp.manual.vary
 
         def call(x):
             y = fn(x)
             _check_returned(key, _site_list(info.sites), x, y, nbatch)
-            if vary:  # varying over the mesh axes as the sown value does (a cond needs it)
+            if vary:
                 y = jtu.tree_map(lambda a, b: _compat.vary(a, _compat.varying_axes(b)), y, x)
             return y
+
+        return call
+
+    def _called(self, key: str, fn: Callable, xs: list[Any], nbatch: int, hits: Any) -> Any:
+        """`fn` of each sown value (of each lane's, under a vmap inside the planted function),
+        where `hits` (True, or a bool per lane)."""
+        info = self.interp.plan.info[key]
+        call = self._call(key, fn, nbatch)
 
         def lane(hit, *leaves):
             x = jtu.tree_unflatten(info.treedef, leaves)
@@ -330,6 +424,13 @@ class _Plant(Spool):
         return _vmap(take, nbatch)(rows, jnp.broadcast_to(count, x.shape[:nbatch]))
 
 
+def _zero_tangent(x: Any) -> Any:
+    """A zero (co)tangent of `x`: float0 for an integer or boolean leaf, as JAX wants."""
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, jax.dtypes.float0)
+
+
 def _lanes_first(hits: Any, x: Any) -> Any:
     """`hits`, a bool per lane (the leading axes of `x`), broadcastable against `x`."""
     return jnp.reshape(hits, hits.shape + (1,) * (x.ndim - hits.ndim))
@@ -392,7 +493,8 @@ def _plant_call(fun, values, args, kwargs):
 
 
 def _plant_run(fun: Callable, values: dict[str, Any], args: Any, kwargs: Any) -> Any:
-    with _compat.planting(frozenset(values)):  # instrumented submodules sow their outputs
+    outer = _compat.planting.value or frozenset()  # (a derivative inside sees their keys)
+    with _compat.planting(frozenset(values) | outer):  # instrumented submodules sow outputs
         closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     plant = _Plant(values)
     outs, _ = plant.run(closed, flat)

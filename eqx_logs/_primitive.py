@@ -397,36 +397,160 @@ _compat.on_backward_logs(bind_backward_logs)
 # value it returns is logged after it, so that a spool records what the program goes on with.
 # An instrumented submodule's output, sown only while a plant traces (`plant_point`), has the
 # parameter `hidden=True` (absent otherwise): its log is tagged `PLANT_TAG`, for plants only.
+# A planted sow differentiated inside the plant has `indexed=True` (absent otherwise) and one
+# more output: the index of its event among the key's (an int32 per lane), which the plant
+# fills in and the derivative's `sow_tangent_p` reads (see below).
 sow_p = _compat.Primitive("eqx_logs.sow")
 sow_p.multiple_results = True
-sow_p.def_impl(lambda *xs, **params: list(xs))
-sow_p.def_abstract_eval(lambda *avals, **params: list(avals))
 
 
-def _sow_jvp(primals, tangents, *, key, **params):
-    # tangents pass straight through: `jax.grad(plant(f, values))` differentiates what is
-    # planted, since plant replaces the primitive before JAX sees it. A derivative inside the
-    # planted function would be the sown value's: refused.
+def _sow_identity(*xs, nbatch, indexed=False, **params):
+    del params
+    if not indexed:
+        return list(xs)
+    return [*xs, jnp.zeros(jnp.shape(xs[0])[:nbatch], jnp.int32)]  # (replaced by the plant)
+
+
+def _sow_abstract_eval(*avals, nbatch, indexed=False, **params):
+    del params
+    if not indexed:
+        return list(avals)
+    return [*avals, _compat.leading_axes_aval(avals[0], nbatch, np.int32)]
+
+
+sow_p.def_impl(_sow_identity)
+sow_p.def_abstract_eval(_sow_abstract_eval)
+
+# The derivative of a sown value that a plant replaces, taken inside the planted function
+# (`plant(jax.grad(f), values)`): JAX differentiates `f` before the plant replaces anything, so
+# the derivative is left for the plant to give, as it gives the value. Operands: the event's
+# index (the `indexed` sow's last output), the sown leaves `xs` (where the derivative is
+# taken: the original value), then the linear ones, one for each leaf in `ins`; one output for
+# each leaf in `outs`. Not `transposed`: tangents of the sown leaves `ins` in, tangents of the
+# planted leaves `outs` out (a jvp); `transposed`: cotangents of the planted leaves `ins` in,
+# cotangents of the sown leaves `outs` out (a vjp). The plant (`_plant.py`) makes it the
+# derivative of what is planted: zero for a value or a row, `fn`'s for a function `fn`, the
+# sown value's own (the identity) for the events `eqx_logs.at` leaves alone. It carries the
+# log effect, so that a loop or branch of the backward pass holding one reaches the plant's
+# rules (and is never removed). Unreplaced (outside every plant), it is the identity.
+sow_tangent_p = _compat.Primitive("eqx_logs.sow_tangent")
+sow_tangent_p.multiple_results = True
+
+
+def _tangent_identity(index, *args, ins, outs, **params):
+    del index, params
+    xs, linear = args[: len(args) - len(ins)], dict(zip(ins, args[len(args) - len(ins) :]))
+    return [linear[i] if i in linear else jnp.zeros_like(xs[i]) for i in outs]
+
+
+@sow_tangent_p.def_effectful_abstract_eval
+def _tangent_abstract_eval(index, *avals, ins, outs, **params):
+    del index, params
+    xs = avals[: len(avals) - len(ins)]
+    return [xs[i].to_tangent_aval() for i in outs], {log_effect}
+
+
+sow_tangent_p.def_impl(_tangent_identity)
+
+
+def _second_order_message(key: str) -> str:
+    return (
+        f"eqx_logs.plant: {key!r} is planted, and differentiated twice inside the planted "
+        "function (a `jax.hessian`, or a derivative of a derivative, inside `plant(f, "
+        "values)`). The plant gives a first derivative there (zero for a planted value, "
+        "`fn`'s for a planted function `fn`), not a second. Take the outer derivative "
+        "outside the plant: `jax.jacfwd(eqx_logs.plant(jax.grad(f), values))`, or both: "
+        "`jax.hessian(eqx_logs.plant(f, values))`."
+    )
+
+
+def _sow_jvp(primals, tangents, *, key, nbatch, **params):
+    # Outside a plant's trace, or for a key it does not plant, the sown value's own derivative
+    # (the identity): `jax.grad(plant(f, values))` differentiates what is planted, since the
+    # plant replaces the sow before JAX sees it. Inside the planted function, a planted key's
+    # derivative is `sow_tangent_p`'s, which the plant replaces with the planted value's.
     planted = _compat.planting.value
-    if planted is not None and key in planted:
-        raise ValueError(
-            f"eqx_logs.plant: {key!r} is planted, and differentiated inside the planted "
-            "function (a `jax.grad`, `jax.jvp` or `jax.linearize` inside `plant(f, values)`), "
-            "where the derivative would be that of the sown value, not of what is planted. "
-            "Take the derivative outside the plant: `jax.grad(eqx_logs.plant(f, values))`."
-        )
-    return sow_p.bind(*primals, key=key, **params), list(tangents)
+    ins = tuple(i for i, t in enumerate(tangents) if not _compat.is_zero(t))
+    if planted is None or key not in planted or not ins:
+        outs = sow_p.bind(*primals, key=key, nbatch=nbatch, **params)
+        return outs, [*tangents, *[_compat.zero_tangent(i) for i in outs[len(primals) :]]]
+    *outs, index = sow_p.bind(*primals, key=key, nbatch=nbatch, **{**params, "indexed": True})
+    inexact = tuple(
+        i for i, x in enumerate(primals) if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    )
+    given = [tangents[i] for i in ins]
+    derived = sow_tangent_p.bind(
+        index, *primals, *given, key=key, nbatch=nbatch, ins=ins, outs=inexact, transposed=False
+    )
+    by_leaf = dict(zip(inexact, derived))
+    out_tangents = [by_leaf.get(i, _compat.zero_tangent(x)) for i, x in enumerate(outs)]
+    if not params.get("indexed"):
+        return outs, out_tangents
+    return [*outs, index], [*out_tangents, _compat.zero_tangent(index)]
 
 
 def _sow_batch(axis_data, args, dims, *, nbatch, **params):
+    # a value that no lane changes stays unbatched, as its log does (`_log_batch`): the primal
+    # of a `jax.jacfwd`, a vmap over tangents only
+    if all(d is _compat.not_mapped for d in dims):
+        outs = sow_p.bind(*args, nbatch=nbatch, **params)
+        return outs, [_compat.not_mapped] * len(outs)
     size = _compat.axis_size_and_name(axis_data)[0]
     moved = [_leading(x, d, size) for x, d in zip(args, dims)]
-    return sow_p.bind(*moved, nbatch=nbatch + 1, **params), [0] * len(args)
+    outs = sow_p.bind(*moved, nbatch=nbatch + 1, **params)
+    return outs, [0] * len(outs)
 
 
 _compat.def_jvp(sow_p, _sow_jvp)
 _compat.def_batching_with_axis(sow_p, _sow_batch)
-_compat.def_lowering(sow_p, lambda *xs, **params: list(xs))
+_compat.def_lowering(sow_p, _sow_identity)
+
+
+def _tangent_jvp(primals, tangents, *, key, ins, **params):
+    # linear in its last operands; a derivative with respect to the sown value would be a
+    # second derivative of what is planted
+    n = len(primals) - len(ins)
+    if any(not _compat.is_zero(t) for t in tangents[1:n]):
+        raise ValueError(_second_order_message(key))
+    outs = sow_tangent_p.bind(*primals, key=key, ins=ins, **params)
+    if all(_compat.is_zero(t) for t in tangents[n:]):
+        return outs, [_compat.zero_tangent(o) for o in outs]
+    dots = [_compat.instantiate(t) for t in tangents[n:]]
+    return outs, sow_tangent_p.bind(*primals[:n], *dots, key=key, ins=ins, **params)
+
+
+def _tangent_transpose(cts, index, *args, ins, outs, transposed, **params):
+    xs = args[: len(args) - len(ins)]
+    if _compat.is_linear_operand(index) or any(_compat.is_linear_operand(x) for x in xs):
+        raise ValueError(_second_order_message(params["key"]))
+    if all(_compat.is_zero(c) for c in cts):
+        return [None] * (1 + len(args))
+    back = sow_tangent_p.bind(
+        index,
+        *xs,
+        *[_compat.instantiate(c) for c in cts],
+        ins=outs,
+        outs=ins,
+        transposed=not transposed,
+        **params,
+    )
+    return [None] * (1 + len(xs)) + list(back)
+
+
+def _tangent_batch(axis_data, args, dims, *, nbatch, **params):
+    if all(d is _compat.not_mapped for d in dims):
+        outs = sow_tangent_p.bind(*args, nbatch=nbatch, **params)
+        return outs, [_compat.not_mapped] * len(outs)
+    size = _compat.axis_size_and_name(axis_data)[0]
+    moved = [_leading(x, d, size) for x, d in zip(args, dims)]
+    outs = sow_tangent_p.bind(*moved, nbatch=nbatch + 1, **params)
+    return outs, [0] * len(outs)
+
+
+_compat.def_jvp(sow_tangent_p, _tangent_jvp)
+_compat.def_transpose(sow_tangent_p, _tangent_transpose)
+_compat.def_batching_with_axis(sow_tangent_p, _tangent_batch)
+_compat.def_lowering(sow_tangent_p, _tangent_identity)
 
 # The tag of the events of `plant_point`: a plant takes them; a spool or tap never selects
 # them (`Handler.selects`), and passes them on to the plant around it.
@@ -452,4 +576,5 @@ def plant_point(key: str, x: Any, site: str) -> Any:
 
 
 def is_sow(eqn: _compat.JaxprEqn) -> bool:
-    return eqn.primitive is sow_p
+    """A sow, or the derivative of one that a plant gives (`sow_tangent_p`)."""
+    return eqn.primitive is sow_p or eqn.primitive is sow_tangent_p

@@ -3,6 +3,8 @@ index) and plant at `instrument`'s paths: each against the same program written 
 model edited, the event index counted by hand), under jit, vmap (inside and outside) and grad.
 """
 
+from typing import TypeVar
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -101,6 +103,147 @@ def test_a_planted_function_matches_the_model_edited_by_hand():
     assert_close(logs["h2"], [want])
 
 
+def _close6(got, want, what: str = "output"):
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=what)
+
+
+def test_a_derivative_inside_the_plant_is_that_of_what_is_planted():
+    """`plant(jax.grad(f), values)` (it raised, and before that was silently the sown value's
+    derivative): a planted value has a zero derivative, a planted function `fn` that of `fn`
+    at the sown value. To 1e-6 of the model edited by hand, in reverse mode inside and
+    outside the plant, in forward mode (`jax.jacfwd`) and under a vmap inside; `fn`'s logs are
+    its call's alone."""
+    model = _sown_model()
+    x = jnp.linspace(-1, 1, W)
+    xs = jax.random.normal(jax.random.key(1), (3, W))
+    v = jnp.array([0.5, -0.25, 0.0, 1.0])
+    cases = {
+        "value": (v, lambda h: v),
+        "linear": (lambda h: 2 * h, lambda h: 2 * h),
+        "nonlinear": (lambda h: jnp.sin(3 * h) + v, lambda h: jnp.sin(3 * h) + v),
+    }
+
+    def loss(x):  # (x enters beyond the sown value too)
+        return jnp.sum(jnp.sin(model(x)) * x)
+
+    def edited(fn):
+        return lambda x: jnp.sum(jnp.sin(_sown_by_hand(model, x, fn)) * x)
+
+    @jax.jit
+    def by_hand(x, xs):  # (one program: the references)
+        refs = {}
+        for name, (_, fn) in cases.items():
+            g = jax.grad(edited(fn))
+            refs[name] = g(x), jax.jacfwd(edited(fn))(x), jax.vmap(g)(xs)
+        return refs, jax.grad(loss)(x)
+
+    refs, unplanted = by_hand(x, xs)
+    for name, (planted, _) in cases.items():
+        grad, jac, batch = refs[name]
+        values = {"h1": planted}
+        got = eqx_logs.plant(jax.grad(loss), values)(x)
+        _close6(got, grad, f"{name}: jax.grad inside")
+        assert np.abs(np.asarray(got - unplanted)).max() > 1e-2  # (the plant changes it)
+        if name == "linear":  # (the rest for the two others)
+            continue
+        _close6(jax.grad(eqx_logs.plant(loss, values))(x), grad, f"{name}: jax.grad outside")
+        _close6(eqx_logs.plant(jax.jacfwd(loss), values)(x), jac, f"{name}: jax.jacfwd inside")
+        if callable(planted):  # (a value planted under a vmap inside has the batch's shape)
+            got = eqx_logs.plant(jax.vmap(jax.grad(loss)), values)(xs)
+            _close6(got, batch, f"{name}: under a vmap inside")
+
+    # a planted function that logs: its call's event only, the planted value
+    def fn(h):
+        eqx_logs.log("fn", h)
+        return jnp.sin(3 * h) + v
+
+    got, logs = eqx_logs.spool(eqx_logs.plant(jax.grad(loss), {"h1": fn}))(x)
+    _close6(got, refs["nonlinear"][0])
+    assert logs["fn"].shape == (1, W)
+    _close6(logs["h1"][0], jnp.sin(3 * logs["fn"][0]) + v)
+
+
+def test_flax_stateful_example_planted_and_differentiated_inside():
+    """Flax's own `test_stateful_example` (tests/nnx/integration_test.py: a Linear that
+    counts its calls, one SGD step under `nnx.jit`), its Linear sowing `y_mean` (the mean of
+    its output, which it subtracts), its step taking `nnx.value_and_grad`, planted:
+    `plant(train_step, {"y_mean": jnp.float32(0.0)})` raised "differentiated inside the
+    planted function". Against the Linear edited by hand (the sow replaced in its code), a
+    value and a function planted, the derivative taken inside the plant and outside it."""
+    nnx = pytest.importorskip("flax.nnx")
+    A = TypeVar("A")
+
+    class State(nnx.Variable[A]):
+        pass
+
+    class Linear(nnx.Module):
+        def __init__(self, din: int, dout: int, *, rngs: nnx.Rngs):
+            key = rngs.params()
+            self.w = nnx.Param(jax.random.uniform(key, (din, dout)))
+            self.b = nnx.Param(jnp.zeros((dout,)))
+            self.count = State(jnp.array(0))
+
+        def __call__(self, x):
+            self.count[...] += 1
+            y = x @ self.w + self.b[None]
+            return y - self.centre(y)
+
+        def centre(self, y):
+            return eqx_logs.sow("y_mean", jnp.mean(y))
+
+    def edited(fn):
+        class Edited(Linear):
+            def centre(self, y):
+                return fn(jnp.mean(y))
+
+        return Edited
+
+    def loss_fn(model, x, y):
+        y_pred = model(x)
+        return jax.numpy.mean((y_pred - y) ** 2)
+
+    @nnx.jit
+    def train_step(model, x, y):
+        # compute gradient
+        loss, grads = nnx.value_and_grad(loss_fn)(model, x, y)
+        # SGD update
+        nnx.update(
+            model,
+            jax.tree.map(lambda w, g: w - 0.1 * g, nnx.state(model, nnx.Param), grads),
+        )
+        return loss, grads
+
+    x = jnp.ones((8, 12))
+    y = Linear(din=12, dout=2, rngs=nnx.Rngs(0))(x)  # the forward pass: the step's target
+    for planted, fn in [
+        (jnp.float32(0.0), lambda m: jnp.float32(0.0)),
+        (lambda m: jnp.sin(m) + m**2, lambda m: jnp.sin(m) + m**2),
+    ]:
+        model, by_hand = Linear(12, 2, rngs=nnx.Rngs(0)), edited(fn)(12, 2, rngs=nnx.Rngs(0))
+        model(x)
+        by_hand(x)
+        assert model.count[...] == 1
+        # inside the plant
+        loss, grads = eqx_logs.plant(train_step, {"y_mean": planted})(model, x, y)
+        want_loss, want_grads = train_step(by_hand, x, y)
+        assert model.count[...] == 2
+        _close6(loss, want_loss, "loss")
+        assert np.abs(np.asarray(want_grads["w"][...])).max() > 1.0  # (a step that moves)
+        _tree_close6(grads, want_grads)
+        _tree_close6(nnx.state(model), nnx.state(by_hand))
+        # outside it
+        loss, grads = nnx.value_and_grad(eqx_logs.plant(loss_fn, {"y_mean": planted}))(model, x, y)
+        want_loss, want_grads = nnx.value_and_grad(loss_fn)(by_hand, x, y)
+        _close6(loss, want_loss, "loss outside")
+        _tree_close6(grads, want_grads)
+
+
+def _tree_close6(got, want):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        _close6(g, w)
+
+
 @fast
 def test_a_planted_function_must_keep_the_shape_and_dtype():
     model = _sown_model()
@@ -115,9 +258,9 @@ def test_a_planted_function_must_keep_the_shape_and_dtype():
         eqx_logs.plant(model, {"h1": lambda h: h.astype(jnp.int32)})(x)
     with pytest.raises(ValueError, match=r"called on one example: the shapes above"):
         eqx_logs.plant(lambda xs: jax.vmap(model)(xs), {"h1": lambda h: h[:2]})(jnp.ones((3, W)))
-    # a derivative inside the plant would be the sown value's: refused
-    with pytest.raises(ValueError, match=r"'h1' is planted, and differentiated inside"):
-        eqx_logs.plant(jax.grad(lambda x: jnp.sum(model(x))), {"h1": jnp.sin})(x)
+    # a second derivative inside the plant is not given: refused, naming the way out
+    with pytest.raises(ValueError, match=r"'h1' is planted, and differentiated twice inside"):
+        eqx_logs.plant(jax.hessian(lambda x: jnp.sum(model(x))), {"h1": jnp.sin})(x)
     grad = jax.grad(lambda x: jnp.sum(model(x)))  # (nothing planted: as it is)
     assert_close(eqx_logs.plant(grad, {})(x), jax.jit(grad)(x))
     with pytest.raises(TypeError, match=r"at\(index, replacement\): index is an event's index"):
@@ -184,6 +327,9 @@ def test_plant_at_instrument_paths_matches_the_model_edited_by_hand():
         eqx.filter_grad(lambda m: loss(eqx_logs.plant(m, {"layers[1]": _ablate})(x)))
     )(im)
     _tree_close(g, want_grads)
+    # and inside the plant
+    inside = eqx.filter_grad(lambda m, x: loss(m(x)))
+    _tree_close(eqx_logs.plant(inside, {"layers[1]": _ablate})(im, x), want_grads)
 
     # the statistics are those of the planted value (and of its cotangent), over the batch
     def batch_loss(m, xs):
@@ -330,9 +476,10 @@ def test_at_a_layer_of_a_scanned_stack():
             _stack_by_hand(model, x, {4: lambda h: v}),
             jnp.stack(ablated),
             jax.grad(loss)(x),
+            jax.grad(lambda x: jnp.sum(_stack_by_hand(model, x, {4: lambda h: v}) ** 2))(x),
         )
 
-    steered, twice, with_v, ablated, grad = by_hand(model, x)
+    steered, twice, with_v, ablated, grad, const_grad = by_hand(model, x)
 
     def planted(value):
         return eqx_logs.plant(_scanned, {"layers": value})
@@ -348,6 +495,10 @@ def test_at_a_layer_of_a_scanned_stack():
     # gradients through the patched layer only
     g = jax.jit(jax.grad(lambda x: jnp.sum(planted(eqx_logs.at(2, square))(im, x) ** 2)))(x)
     assert_close(g, grad)
+    # taken inside the plant: the layer's index is carried from the scan to its transpose
+    inside = jax.grad(lambda im, x: jnp.sum(_scanned(im, x) ** 2), argnums=1)
+    _close6(eqx_logs.plant(inside, {"layers": eqx_logs.at(2, square)})(im, x), grad)
+    _close6(eqx_logs.plant(inside, {"layers": eqx_logs.at(4, v)})(im, x), const_grad)
     # the statistics are of the planted value
     _, logs = eqx_logs.spool(planted(eqx_logs.at(2, jnp.zeros_like)))(im, x)
     assert logs["layers/rms"].shape == (N,)
@@ -453,3 +604,13 @@ def test_at_inside_a_shard_map():
     assert_close(eqx_logs.plant(invariant, {"h": _cube})(x), _shard_by_hand(x, every))
     with pytest.raises(ValueError, match=r"'h' is sown inside a shard_map .* `eqx_logs.at` with"):
         eqx_logs.plant(invariant, {"h": eqx_logs.at(1, _cube)})(x)
+
+    # derivatives inside the plant: each device's event index carried to the backward pass
+    def by_hand(x, at):
+        for i in range(3):
+            x = 2 * (_cube(x) if i in at else x) + 1
+        return jnp.sum(x)
+
+    for f, value, at in [(varying, eqx_logs.at(1, _cube), {1}), (invariant, _cube, {0, 1, 2})]:
+        got = eqx_logs.plant(jax.grad(lambda x: jnp.sum(f(x))), {"h": value})(x)
+        _close6(got, jax.grad(by_hand)(x, at))

@@ -20,6 +20,8 @@ with a flat tree). The rest of eqx_logs sees only the small, stable vocabulary r
   appear); `logging_enabled`, `scope_prefix`, `planting` (JAX config states in the jit key
   and the trace context); the rule registries of primitives (`def_jvp`, `def_batching`,
   `def_lowering`, `wrap_batching`, ...);
+- `_tangents`: tangents as JAX's rules receive them (`is_zero`, `zero_tangent`, `instantiate`,
+  `is_linear_operand`), `leading_axes_aval`;
 - `_host`: `host_callback`, a host callback that keeps its order on any number of devices.
 
 Each module imports only modules listed before it, and each piece of state (a config state,
@@ -122,6 +124,13 @@ from ._registry import (
     scope_prefix as scope_prefix,
     user_axis_name as user_axis_name,
     wrap_batching as wrap_batching,
+)
+from ._tangents import (
+    instantiate as instantiate,
+    is_linear_operand as is_linear_operand,
+    is_zero as is_zero,
+    leading_axes_aval as leading_axes_aval,
+    zero_tangent as zero_tangent,
 )
 from ._types import (
     DropVar as DropVar,

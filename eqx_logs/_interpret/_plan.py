@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import _compat
-from .._primitive import current_prefix, is_log, log_effect, logging_as
+from .._primitive import current_prefix, is_log, is_sow, log_effect, logging_as
 from .._reduce import Policy
 from . import _keys
 from ._keys import KeyInfo, site_list
@@ -237,7 +237,7 @@ class Plan:
             if is_log(eqn):
                 if self.selects(eqn.params["tags"]):
                     yield eqn, True
-            elif self.eqn_has_log(eqn):
+            elif self.eqn_has_log(eqn) and not is_sow(eqn):  # (a sow's derivative: no logs)
                 yield eqn, False
 
     def program(self, closed: Any) -> Counts:
