@@ -569,9 +569,11 @@ def plant(
     key: the keys and paths there are). An instrumented submodule's planted output is what
     the rest of the model sees, and what its statistics are of. It composes with `spool`
     (place it inside: `spool(plant(f, values))` records the planted values), `jax.jit`,
-    `jax.grad` (place it outside: `jax.grad(plant(f, values))`; gradients flow through a
-    planted function, and into it from the sown value; planted arrays are constants, or
-    differentiable if passed as traced arguments) and `jax.vmap` (inside and outside).
+    `jax.grad` (outside, `jax.grad(plant(f, values))`, or inside, `plant(jax.grad(f),
+    values)`: the derivative is that of what is planted; gradients flow through a planted
+    function, and into it from the sown value; planted arrays are constants, or
+    differentiable if passed as traced arguments outside; inside, a first derivative only)
+    and `jax.vmap` (inside and outside).
 
     !!! example
 
