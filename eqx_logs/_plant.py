@@ -208,17 +208,20 @@ class _Plant(Spool):
         (self.paths if hidden else self.seen).add(key)
         if key not in self.values:  # for an enclosing plant
             return _compat.bind_eqn(eqn, invals) if self.nested or not hidden else force(invals)
-        info = self.interp.plan.info[key]
-        if key not in states:
+        info = self.interp.plan.info.get(key)
+        if info is None:
             raise ValueError(
-                f"eqx_logs.plant: the sown value {key!r} (at {_site_list(info.sites)}) is "
+                f"eqx_logs.plant: the sown value {key!r} (at {_compat.eqn_location(eqn)}) is "
                 "consumed by a spool inside the planted function; plant inside the spool: "
                 "`spool(plant(f, values))`."
             )
         xs = [jnp.asarray(x) for x in invals]
-        count = states[key]["count"]  # events before this one (its log comes after)
-        if mesh := self.interp.manual.local_axes(info):  # in a shard_map: the device's block,
-            count = count.reshape(count.shape[mesh:])  # its mesh axes (of size 1) first
+        if key in states:
+            count = states[key]["count"]  # events before this one (its log comes after)
+            if mesh := self.interp.manual.local_axes(info):  # in a shard_map: the device's
+                count = count.reshape(count.shape[mesh:])  # block, its mesh axes (size 1) first
+        else:  # the forward pass computed again for a derivative (a remat's): no event
+            count = self._uncounted(key, xs)
         outs = self._replaced(key, xs, count, nbatch)
         if not eqn.params.get("indexed", False):
             return outs
@@ -229,6 +232,27 @@ class _Plant(Spool):
             known = count if isinstance(self.values[key], _At) else 0
             return [*outs, np.broadcast_to(np.asarray(known, np.int32), batch)]
         return [*outs, jnp.broadcast_to(jnp.asarray(count, jnp.int32), batch)]
+
+    def _uncounted(self, key: str, xs: list[Any]) -> int:
+        """The count for a sown value of `key` that is no event (its forward pass computed
+        again for a derivative taken inside the planted function, where `jax.checkpoint`
+        recomputes it): any, if what is planted is the same for every event; else raise."""
+        planted = self.values[key]
+        if callable(planted) or (
+            not isinstance(planted, _At)
+            and len(jtu.tree_leaves(planted)) == len(xs)
+            and all(jnp.shape(v) == x.shape for v, x in zip(jtu.tree_leaves(planted), xs))
+        ):
+            return 0
+        what = "by event (`eqx_logs.at`)" if isinstance(planted, _At) else "one row per event"
+        raise ValueError(
+            f"eqx_logs.plant: {key!r} (sown at {_site_list(self.interp.plan.info[key].sites)}) "
+            f"is planted {what}, and differentiated inside the planted function through a "
+            "`jax.checkpoint` (remat), whose backward pass computes the sown value again "
+            "without knowing which event it is. Take the derivative outside the plant "
+            "(`jax.grad(eqx_logs.plant(f, values))`), or plant a function or one value for "
+            "every event."
+        )
 
     def _replaced(self, key: str, xs: list[Any], count: Any, nbatch: int) -> list[Any]:
         """The sown leaves `xs` of an event of `key` (the `count`-th) replaced."""

@@ -153,6 +153,14 @@ def test_a_derivative_inside_the_plant_is_that_of_what_is_planted():
             got = eqx_logs.plant(jax.vmap(jax.grad(loss)), values)(xs)
             _close6(got, batch, f"{name}: under a vmap inside")
 
+    # through a checkpoint, whose backward pass computes the sown value again (no event
+    # there: what is planted must then be the same for every event)
+    for name in ("value", "nonlinear"):
+        got = eqx_logs.plant(jax.grad(eqx.filter_checkpoint(loss)), {"h1": cases[name][0]})(x)
+        _close6(got, refs[name][0], f"{name}: through a checkpoint")
+    with pytest.raises(ValueError, match=r"'h1' .* is planted by event .* `jax.checkpoint`"):
+        eqx_logs.plant(jax.grad(jax.checkpoint(loss)), {"h1": eqx_logs.at(0, jnp.sin)})(x)
+
     # a planted function that logs: its call's event only, the planted value
     def fn(h):
         eqx_logs.log("fn", h)
@@ -263,6 +271,8 @@ def test_a_planted_function_must_keep_the_shape_and_dtype():
         eqx_logs.plant(jax.hessian(lambda x: jnp.sum(model(x))), {"h1": jnp.sin})(x)
     grad = jax.grad(lambda x: jnp.sum(model(x)))  # (nothing planted: as it is)
     assert_close(eqx_logs.plant(grad, {})(x), jax.jit(grad)(x))
+    with pytest.raises(ValueError, match=r"'h1' \(at .*test_plant.py:\d+ .* consumed by a spool"):
+        eqx_logs.plant(eqx_logs.spool(model), {"h1": jnp.sin})(x)
     with pytest.raises(TypeError, match=r"at\(index, replacement\): index is an event's index"):
         eqx_logs.at(1.5, jnp.sin)
     with pytest.raises(ValueError, match="index .* is negative"):
