@@ -355,3 +355,206 @@ def test_instrument_an_nnx_model(tmp_path):
         np.testing.assert_allclose(a, b, rtol=1e-5)
     rows = loggers.read_jsonl(tmp_path / "run.jsonl")
     assert {r["key"] for r in rows} >= {"loss", "head/grad/rms", "blocks[1].lin/mean"}
+
+
+def test_logger_jit_finds_the_graph_once_per_structure(tmp_path, monkeypatch):
+    """`logger.jit(step, state, interval=2, step="i")` of an NNX step given Python ints (the
+    kept and the skipped steps' programs): Flax's graph flatten runs on the host while a
+    structure is new, not at each call (it did, with `nnx.update` and a new compiled-step
+    wrapper, at every call); losses, state and rows equal `nnx.jit`'s loop."""
+    from flax.nnx import graph, graphlib
+
+    steps = 6
+    model, optimizer, counter = make()
+    jitted = nnx.jit(step)
+    want = [float(jitted(model, optimizer, counter, X, Y, jnp.int32(i))) for i in range(steps)]
+    want_state = _state(model, optimizer, counter)
+
+    flattens = []
+    real = graphlib.flatten
+
+    def counted(*args, **kwargs):
+        flattens.append(1)
+        return real(*args, **kwargs)
+
+    model, optimizer, counter = make()
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    stepped = logger.jit(step, logger.init(), interval=2, step="i")
+    got = []
+    for i in range(steps):
+        if i == 2:  # (both programs compiled and their structure found)
+            monkeypatch.setattr(graphlib, "flatten", counted)
+            monkeypatch.setattr(graph, "flatten", counted)
+        got.append(float(stepped(model, optimizer, counter, X, Y, i)))
+    monkeypatch.undo()
+    logger.close()
+    assert flattens == []
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(_state(model, optimizer, counter), want_state, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert model.tied is model.enc.kernel and float(counter.data) == steps
+    rows = [r for r in loggers.read_jsonl(tmp_path / "run.jsonl") if r["key"] == "loss"]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    np.testing.assert_allclose([r["value"] for r in rows], want[::2], rtol=1e-5)
+
+
+class Sows(nnx.Module):
+    def __init__(self, rngs):
+        self.enc = nnx.Linear(3, 4, rngs=rngs)
+        self.head = nnx.Linear(4, 1, rngs=rngs)
+
+    def __call__(self, x):
+        h = nnx.relu(self.enc(x))
+        self.sow(nnx.Intermediate, "h", jnp.mean(h))
+        return self.head(h)
+
+
+def _sows_step(model, optimizer, x, y, i):
+    def loss_fn(m):
+        return jnp.mean((m(x) - y) ** 2)
+
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    el.log("loss", loss, step=i)
+    optimizer.update(model, grads)
+    return loss
+
+
+@pytest.mark.parametrize("change", ["sow and pop", "replace, set, tie"])
+def test_logger_jit_follows_nnx_objects_changed_between_calls(tmp_path, change):
+    """Objects changed by the loop between calls: sown intermediates popped at each step
+    (the call adds them: a structure written back by `nnx.update`); or a submodule replaced
+    by a new one of the same shape (the same pytree structure, other Variables), a Variable
+    set by hand, a tied Param tied to another. `logger.jit` (kept and skipped steps' programs,
+    each keeping the structure it saw last) reads and writes the objects of each call: losses,
+    state and the popped intermediates equal `nnx.jit`'s loop doing the same."""
+
+    def run(stepped):
+        if change == "sow and pop":
+            model = Sows(nnx.Rngs(0))
+            args = (nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),)
+            fun = _sows_step
+        else:
+            model, optimizer, counter = make()
+            args, fun = (optimizer, counter), step
+        losses, sown = [], []
+        for i in range(6):
+            losses.append(float(stepped(fun)(model, *args, X, Y, i)))
+            if change == "sow and pop":
+                sown.append(float(nnx.pop(model, nnx.Intermediate)["h"][0]))
+            elif i == 1:
+                model.head = nnx.Linear(4, 1, rngs=nnx.Rngs(7))
+            elif i == 2:
+                model.enc.bias[...] = jnp.full(4, 0.5)
+            elif i == 3:
+                model.tied = model.head.kernel
+        return losses, sown, _state(model, *args)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # (sow outside nnx.capture)
+        jitted = {}
+
+        def by_nnx(fun):
+            f = jitted.setdefault(fun, nnx.jit(fun))
+            return lambda *a: f(*a[:-1], jnp.int32(a[-1]))
+
+        want = run(by_nnx)
+        logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+        made = {}
+        got = run(
+            lambda fun: made.setdefault(fun, logger.jit(fun, logger.init(), interval=2, step="i"))
+        )
+        logger.close()
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    for a, b in zip(got[2], want[2], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    rows = [r for r in loggers.read_jsonl(tmp_path / "run.jsonl") if r["key"] == "loss"]
+    assert [r["step"] for r in rows] == [0, 2, 4]
+    np.testing.assert_allclose([r["value"] for r in rows], want[0][::2], rtol=1e-5)
+
+
+def test_logger_jit_of_nnx_jit_skips_the_logs_of_skipped_steps(tmp_path):
+    """`logger.jit(nnx.jit(step), state, interval=3, step="i")`, which the guide lists beside
+    `logger.jit(step, ...)`: no warning (it warned at every run that the events carry another
+    step: the step given to the inner `jax.jit` is a new tracer) and the steps the interval
+    skips run without their logs (the logged value, made by a counted host callback, is
+    computed at the kept steps alone); losses and state equal `nnx.jit`'s loop."""
+    computed = []
+
+    def logged_step(model, optimizer, x, y, i):
+        def loss_fn(m):
+            return jnp.mean((m(x) - y) ** 2)
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        spec = jax.ShapeDtypeStruct((), loss.dtype)
+        el.log("loss", jax.pure_callback(lambda v: (computed.append(1), v)[1], spec, loss), step=i)
+        optimizer.update(model, grads)
+        return loss
+
+    def fresh():
+        model = Stack(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.sgd(0.05, momentum=0.9), wrt=nnx.Param)
+
+    steps = 6
+    model, optimizer = fresh()
+    plain = nnx.jit(logged_step)
+    want = [float(plain(model, optimizer, X, Y, jnp.int32(i))) for i in range(steps)]
+    want_state = _state(model, optimizer)
+
+    model, optimizer = fresh()
+    logger = loggers.JsonlLogger(tmp_path / "run.jsonl")
+    stepped = logger.jit(nnx.jit(logged_step), logger.init(), interval=3, step="i")
+    computed.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = [float(stepped(model, optimizer, X, Y, i)) for i in range(steps)]
+    logger.close()
+    assert len(computed) == 2  # steps 0 and 3
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(_state(model, optimizer), want_state, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    rows = loggers.read_jsonl(tmp_path / "run.jsonl")
+    assert [(r["key"], r["step"]) for r in rows] == [("loss", 0), ("loss", 3)]
+    np.testing.assert_allclose([r["value"] for r in rows], [want[0], want[3]], rtol=1e-5)
+
+
+@pytest.mark.parametrize("form", ["in a tuple", "by keyword", "shared with a tuple's"])
+def test_logger_jit_carries_nnx_objects_in_every_form(tmp_path, form):
+    """The forms `logger.jit` carries by a split at each call rather than per structure: the
+    objects inside a tuple argument, passed by keyword, or a model passed itself while a
+    tuple holds its submodule (one graph: the submodule's Variables stay the model's). State
+    and losses equal `nnx.jit`'s."""
+
+    def train(model, optimizer, counter, x, y, i, extra=()):
+        loss = step(model, optimizer, counter, x, y, i)
+        for lin in extra:  # (the shared submodule, changed through the tuple)
+            lin.bias[...] = lin.bias[...] + 1.0
+        return loss
+
+    def tupled(objects, x, y, i):
+        return train(*objects, x, y, i)
+
+    def keywords(x, y, i, *, model, optimizer, counter):
+        return train(model, optimizer, counter, x, y, i)
+
+    fun = {"in a tuple": tupled, "by keyword": keywords, "shared with a tuple's": train}[form]
+
+    def call(f, model, optimizer, counter, i):
+        if form == "in a tuple":
+            return f((model, optimizer, counter), X, Y, i)
+        if form == "by keyword":
+            return f(X, Y, i, model=model, optimizer=optimizer, counter=counter)
+        return f(model, optimizer, counter, X, Y, i, extra=(model.head,))
+
+    def run(f):
+        model, optimizer, counter = make()
+        losses = [float(call(f, model, optimizer, counter, jnp.int32(i))) for i in range(2)]
+        assert model.tied is model.enc.kernel
+        return losses, _state(model, optimizer, counter)
+
+    want = run(nnx.jit(fun))
+    with loggers.JsonlLogger(tmp_path / "run.jsonl") as logger:
+        got = run(logger.jit(fun, logger.init()))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for a, b in zip(got[1], want[1], strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -7,6 +7,11 @@ runs the one before, and pays Equinox's Python work for every call on top. `Jit`
 function's and the arguments' leaves as `eqx.filter_jit` does (arrays traced, every other
 leaf compiled in, a new one compiling anew) and calls a `jax.jit` of the arrays alone, which
 returns as soon as the computation is dispatched.
+
+Flax NNX objects among the arguments are carried out of each call as `nnx.jit` carries them
+(`_nnx.py`): those passed as arguments themselves per structure (`Jit._fast_call`), others by
+a split at each call (`Jit._carried`); the compiled step of each graph is made once
+(`Jit._graph`).
 """
 
 import inspect
@@ -86,6 +91,13 @@ def _compiled(key: Any) -> dict[Any, Any]:
 
 
 _CARRIED = object()  # in place of a compiled step: the arguments hold Flax NNX objects
+_NOT_FAST = object()  # what `Jit._fast_call` returns for a call it leaves to the others
+
+
+class _Nested(Exception):
+    """Raised by the compiled step of `Jit._fast_call` for arguments that hold NNX objects
+    inside them: the call is carried whole by `Jit._carried` (one graph of every object)."""
+
 
 # The treedef of `(args, {})` for the treedefs of the arguments (`Jit._flatten`).
 _ARGS_DEFS: dict[tuple[Any, ...], Any] = {}
@@ -170,14 +182,25 @@ class Jit:
         self._compiled = _compiled((self._fun_def, self._fun_split, donate))
         # a Flax NNX model changes in place: carried out of each call as `nnx.jit` does
         self._carries = _nnx.has_variables(fun)
+        # NNX objects passed as arguments, per structure (see `_nnx.Fast`); the compiled
+        # steps of the objects' graphs, for `_fast` and `_carried`
+        self._fast = _nnx.Fast()
+        self._graphs: OrderedDict[Any, Jit] = OrderedDict()
+        self._inner = False  # (the step of `_fast`: called on arguments without NNX objects)
         try:  # to bind arguments as `eqx.filter_jit` does
             self._signature: inspect.Signature | None = inspect.signature(fun)
         except (TypeError, ValueError):  # (a callable without one: arguments as given)
             self._signature = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._carries and not self._inner and _nnx.flax_imported():
+            out = self._fast_call(args, kwargs)
+            if out is not _NOT_FAST:
+                return out
         jitted, arrays = self._prepare(args, kwargs)
         if jitted is _CARRIED:
+            if self._inner:
+                raise _Nested
             return self._carried(args, kwargs, "__call__")
         try:
             if self.donate in ("all", "all-except-first"):  # as Equinox: no warning for these
@@ -206,6 +229,53 @@ class Jit:
             if OPEN:
                 finish()
 
+    def _fast_call(self, args: tuple, kwargs: dict) -> Any:
+        """A call whose arguments are Flax NNX objects themselves (`step(model, optimizer,
+        x, y, i)`), carried per structure (`_nnx.Fast`): the objects' arrays read, passed
+        to the compiled step of their graph, and its new ones written into their Variables,
+        as `nnx.jit` leaves them. `_NOT_FAST` where the call is another's (no NNX object
+        among the arguments, or one inside another argument, or of a kind `Fast` leaves to
+        `_carried`)."""
+        is_nnx = _nnx.is_nnx
+        if not any(map(is_nnx, args)) and not any(map(is_nnx, kwargs.values())):
+            return _NOT_FAST
+        if kwargs:
+            args, kwargs = self._bind(args, kwargs)
+            if any(map(is_nnx, kwargs.values())):
+                return self._carried(args, kwargs, "__call__")
+        split = self._fast.split(args)
+        if split is None:
+            return _NOT_FAST
+        structure, leaves, holed = split
+        jitted = structure.jit
+        if jitted is None:
+            jitted = structure.jit = self._graph(_nnx.Flat(self.fun, structure.graphdef))
+        try:
+            out, written = jitted(leaves, *holed, **kwargs)
+        except _Nested:  # (an NNX object inside another argument: all carried together)
+            return self._carried(args, kwargs, "__call__")
+        self._fast.write(structure, written, "logger.jit")
+        return out
+
+    def _graph(self, fun: Any) -> "Jit":
+        """The compiled step of `fun` (an `_nnx.Flat` or `_nnx.Merging` of this step's
+        function on the graph of its NNX objects), made once per graph: the arrays of the
+        objects come first (`all-except-first` keeps them and the first argument)."""
+        key = (type(fun), fun.graphdef)
+        try:
+            jitted = self._graphs.get(key)
+        except TypeError:  # (a graph that cannot be hashed: its own)
+            key, jitted = None, None
+        if jitted is None:  # (`fun` is this step's function with holes: the same for a graph)
+            step = None if self._step is None else self._step.shifted(1)
+            jitted = Jit(fun, self.donate, first=2, step=step)
+            jitted._inner = isinstance(fun, _nnx.Flat)
+            if key is not None:
+                self._graphs[key] = jitted
+                if len(self._graphs) > 8:
+                    self._graphs.popitem(last=False)
+        return jitted
+
     def _carried(self, args: tuple, kwargs: dict, method: str) -> Any:
         """A call on Flax NNX objects: split out, merged inside, and their new state written
         back, as `nnx.jit` does (see `_nnx.py`); their arrays are donated with
@@ -214,9 +284,7 @@ class Jit:
             args, kwargs = self._bind(args, kwargs)
         carry = _nnx.carry(self.fun, args, kwargs)
         assert carry is not None
-        # (the state comes first: `all-except-first` keeps it and the first argument)
-        step = None if self._step is None else self._step.shifted(1)
-        jitted = Jit(carry.fun, self.donate, first=2, step=step)
+        jitted = self._graph(carry.fun)
         if method == "lower":
             return jitted.lower(*carry.args, **carry.kwargs)
         out, after = jitted(*carry.args, **carry.kwargs)

@@ -27,6 +27,7 @@ from typing import Any
 import equinox as eqx
 import numpy as np
 
+from .._nnx import unwrapped
 from .._scope import call_step, watching
 from .._warn import warn_user
 
@@ -143,7 +144,8 @@ class Gate:
 class AtStep(eqx.Module):
     """`fun` called with its step argument as the step of every event inside it without one
     of its own (a `scope(step=...)` around it), which an enclosing `watching` compares every
-    event's step with (see `Skipping`)."""
+    event's step with (see `Skipping`). A plain `nnx.jit(fun)` is called as `fun`: its
+    nested `jax.jit` would give the events a step of its own (`_nnx.unwrapped`)."""
 
     fun: Callable
     step: StepArg = eqx.field(static=True)
@@ -156,8 +158,8 @@ class AtStep(eqx.Module):
         value = self.step.peek(args, kwargs)
         if value is _MISSING:
             raise self.step.missing("logger.jit")
-        with call_step(value):
-            return self.fun(*args, **kwargs)
+        with call_step(value):  # (a plain `nnx.jit` inside: its function, see `_nnx`)
+            return unwrapped(self.fun)(*args, **kwargs)
 
 
 class Skipping(eqx.Module):
