@@ -153,6 +153,17 @@ def test_a_derivative_inside_the_plant_is_that_of_what_is_planted():
             got = eqx_logs.plant(jax.vmap(jax.grad(loss)), values)(xs)
             _close6(got, batch, f"{name}: under a vmap inside")
 
+    # a pytree with an integer leaf (no tangent), which the planted function changes too
+    def sows_a_pytree(x):
+        h = eqx_logs.sow("h", {"a": jnp.tanh(x), "n": jnp.int32(3)})
+        return jnp.sum(jnp.sin(h["a"]) * x) * h["n"].astype(jnp.float32)
+
+    def bumped(h):
+        return {"a": jnp.sin(3 * h["a"]) + v, "n": h["n"] + 1}
+
+    got = eqx_logs.plant(jax.grad(sows_a_pytree), {"h": bumped})(x)
+    _close6(got, jax.grad(lambda x: 4 * jnp.sum(jnp.sin(jnp.sin(3 * jnp.tanh(x)) + v) * x))(x))
+
     # through a checkpoint, whose backward pass computes the sown value again (no event
     # there: what is planted must then be the same for every event)
     for name in ("value", "nonlinear"):
