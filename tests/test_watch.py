@@ -429,6 +429,35 @@ def test_under_grad_equinox_checkpointed_loop_keeps_its_addresses():
     assert both == {"watch/while[0]": 3, "watch/while[1]": 4}
 
 
+def test_under_grad_the_replayed_primal_calls_no_callback_again():
+    """Differentiated, a custom_vjp's primal runs once more for its watched values alone: a
+    host callback in it (a zero-output effect, which computes no watched value) still runs
+    as often as without watch, counted on the host."""
+    import equinox as eqx
+
+    calls = []
+
+    def f(x):
+        def body(c):
+            i, v = c
+            jax.debug.callback(lambda i: calls.append(int(i)), i)
+            return i + 1, v * 0.5
+
+        loop = eqx.internal.while_loop
+        return loop(lambda c: c[0] < 3, body, (0, x), max_steps=4, kind="checkpointed")[1]
+
+    def loss(watch):
+        return lambda x: el.spool(f, watch=watch, reduce="last")(x)
+
+    jax.grad(loss(None), has_aux=True)(8.0)
+    jax.effects_barrier()
+    unwatched, calls[:] = list(calls), []
+    _, logs = jax.grad(loss("while"), has_aux=True)(8.0)
+    jax.effects_barrier()
+    assert sorted(calls) == sorted(unwatched) and len(unwatched) >= 3
+    assert float(logs["watch/while[0]/carry/4"]) == 1.0  # 8 * 0.5**3, watched once more
+
+
 def test_under_grad_diffrax_default_adjoint_watches_the_state():
     """diffrax's Tsit5 with its default adjoint (`RecursiveCheckpointAdjoint`: Equinox's
     checkpointed loop): under grad the state's key holds the states `SaveAt(steps=True)`

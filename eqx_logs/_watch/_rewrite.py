@@ -122,7 +122,7 @@ class Watcher:
     def replay(self, closed: Any, args: Sequence[Any], path: str, outer: tuple, counters) -> None:
         """Evaluate `closed` for its watched values alone: a computation the program runs
         another way (a custom_vjp's primal, where its forward rule runs), whose own logs
-        come from what runs."""
+        and host callbacks (every equation without outputs) come from what runs."""
         self.replaying += 1
         try:
             self.eval(closed, args, path, outer, counters)
@@ -134,8 +134,10 @@ class Watcher:
         values in a straight run of equations logs them here."""
 
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
-        if is_log(eqn) and self.replaying:
-            return []  # (the computation that runs logs it)
+        if self.replaying and not eqn.outvars:
+            # (a log, a host callback: the computation that runs does it; what has no
+            # output computes no watched value)
+            return []
         if is_log(eqn) or is_sow(eqn) or eqn.primitive is stats_p:
             self.flush()  # (what was gathered comes before, in execution order)
             return _compat.bind_eqn(eqn, invals)  # eqx_logs' own: as it is
