@@ -167,8 +167,27 @@ class _Traced:
 
 def _context_key() -> tuple:
     key = tuple(key for _, key in _context_steps() if key)
+    if lanes_marked():  # (a jit traced inside is traced again, its operations bracketed)
+        key = (*key, ("<lanes marked>",))
     masked = getattr(local, "event_mask", None)  # `_primitive.masked_events`: by identity
     return key if masked is None else (*key, ("<masked events>", masked[2]))
+
+
+def lanes_marked() -> bool:
+    """Whether a spool with `first_nonfinite="any"` traces its function (`marking`)."""
+    return getattr(local, "lanes_marked", False)
+
+
+@contextlib.contextmanager
+def marking(on: bool = True) -> Iterator[None]:
+    """While a spool with `first_nonfinite="any"` traces its function (`on`): the batching
+    rules bracket what they emit, so that the checks know each value's lanes
+    (`_watch/_lanes.py`)."""
+    saved, local.lanes_marked = lanes_marked(), on
+    try:
+        yield
+    finally:
+        local.lanes_marked = saved
 
 
 def current_prefix() -> str:

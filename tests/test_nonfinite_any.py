@@ -64,6 +64,85 @@ def test_a_tag_filter_keeps_the_search():
     assert inner.first_nonfinite is not None and set(logs) == {"y"}
 
 
+# -- the lane of a vmap inside the spool --------------------------------------------------
+
+
+def _np_first_lane(values) -> int:
+    """numpy: the first lane (flattened, row-major) whose value is not finite."""
+    bad = ~np.isfinite(np.asarray(values)).reshape(len(values), -1).all(axis=1)
+    return int(np.argmax(bad)) if bad.any() else -1
+
+
+def test_any_under_a_vmap_inside_names_the_lane():
+    def one(v):
+        y = jnp.log(v - 1.0)  # THE LANE'S LOG
+        el.log("y", y)
+        return y
+
+    def f(xs):
+        return jax.vmap(one)(xs)
+
+    xs = jnp.array([2.0, 3.0, 0.5, 4.0])
+    with np.errstate(all="ignore"):
+        lane = _np_first_lane(np.log(np.asarray(xs) - np.float32(1)))
+    assert lane == 2
+    _, logs = el.spool(f, first_nonfinite="any")(xs)
+    report = logs.first_nonfinite
+    assert report.lane == lane and report.operation == "log at log[0]"
+    assert report.site == f"{__file__}:{_line_of(one, 'THE LANE')} ({one.__qualname__})"
+    _, logged = el.spool(f, first_nonfinite=True)(xs)  # the same program, True's lane
+    assert logged.first_nonfinite.lane == lane
+    assert jax.jit(el.spool(f, first_nonfinite="any"))(xs)[1].first_nonfinite == report
+    assert el.spool(jax.jit(f), first_nonfinite="any")(xs)[1].first_nonfinite == report
+    assert el.spool(f, first_nonfinite="any")(xs + 2.0)[1].first_nonfinite is None
+
+    # batched on another axis, through a matmul, nested, and under grad
+    w = jnp.full((3, 3), 1.0)
+    cols = jnp.ones((3, 5)).at[:, 3].set(5.0)
+    with np.errstate(all="ignore"):
+        lane = _np_first_lane(np.exp(10.0 * (np.asarray(cols).T @ np.asarray(w).T)))
+    assert lane == 3
+    spooled = el.spool(
+        lambda c: jax.vmap(lambda v: jnp.exp(w @ v * 10.0), in_axes=1)(c), first_nonfinite="any"
+    )
+    report = spooled(cols)[1].first_nonfinite
+    assert report.lane == lane and report.operation.startswith("exp at")
+
+    grid = jnp.ones((3, 4)).at[1, 2].set(-1.0).at[2, 0].set(-1.0)
+    with np.errstate(all="ignore"):
+        lane = _np_first_lane(np.log(np.asarray(grid)).reshape(-1))
+    assert lane == 6
+    nested = el.spool(lambda g: jax.vmap(jax.vmap(jnp.log))(g), first_nonfinite="any")
+    assert nested(grid)[1].first_nonfinite.lane == lane
+
+    def loss(scale, x):
+        return jnp.sum(jax.vmap(lambda v: jnp.sqrt(scale * v))(x))
+
+    x = jnp.array([1.0, 2.0, -1.0, -3.0])
+    with np.errstate(all="ignore"):
+        lane = _np_first_lane(np.sqrt(np.float32(1.0) * np.asarray(x)))
+    report = el.spool(jax.grad(loss), first_nonfinite="any")(1.0, x)[1].first_nonfinite
+    assert report.lane == lane == 2 and report.operation.startswith("sqrt at")
+    assert not report.backward
+
+    # an Equinox model over a batch: the first example whose hidden layer takes a square root
+    # of a negative number
+    mlp = eqx.nn.MLP(2, 1, 4, 1, activation=jnp.sqrt, key=jax.random.key(2))
+    mlp = eqx.tree_at(lambda m: m.layers[0].bias, mlp, jnp.full(4, 1.0))
+    batch = jax.random.normal(jax.random.key(4), (6, 2))
+    first = mlp.layers[0]
+    pre = np.asarray(batch) @ np.asarray(first.weight).T + np.asarray(first.bias)
+    with np.errstate(all="ignore"):
+        assert _np_first_lane(np.sqrt(pre)) == 3  # (one example of six)
+        # Equinox's MLP maps its activation over the hidden units with a vmap of its own:
+        # the lanes are (example, unit), flattened
+        lane = _np_first_lane(np.sqrt(pre).reshape(-1))
+    spooled = eqx.filter_jit(el.spool(lambda m, b: jax.vmap(m)(b), first_nonfinite="any"))
+    report = spooled(mlp, batch)[1].first_nonfinite
+    assert report.lane == lane and report.operation.startswith("sqrt at"), report
+    assert report.lane // 4 == 3
+
+
 # -- logger.jit(..., step="i") over an Equinox MLP trained with optax ---------------------
 
 X = jax.random.normal(jax.random.key(1), (32, 2))

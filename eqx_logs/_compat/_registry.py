@@ -127,6 +127,13 @@ def wrap_batching(name: str, make_rule: Callable[[Callable], Callable]) -> None:
     raise NotImplementedError(f"eqx_logs: no batching rule for {name!r} in this JAX version.")
 
 
+def wrap_every_batching(make_rule: Callable[[Primitive, Callable], Callable]) -> None:
+    """Replace the batching rule of every primitive that has one now by `make_rule(prim,
+    original)` (rules called as for `wrap_batching`)."""
+    for prim, rule in list(_batching.fancy_primitive_batchers.items()):
+        _batching.fancy_primitive_batchers[prim] = make_rule(prim, rule)
+
+
 def def_batching_with_axis(prim: Primitive, rule: Callable) -> None:
     """`rule(axis_data, args, dims, **params) -> (outs, out_dims)`."""
     _batching.fancy_primitive_batchers[prim] = rule

@@ -2,7 +2,8 @@
 carries of loops), at addresses given by their position in the program. `_spec.py`: `Watch`,
 what is watched (a policy option, so it imports nothing that logs); `_rewrite.py`: the program
 rewritten with the logs in it (`watched`, for spool and tap); `_api.py`: the function
-transform `eqx_logs.watch`."""
+transform `eqx_logs.watch`; `_nonfinite.py`: `first_nonfinite="any"`'s checks (the same
+rewrite), with the lanes of a vmap inside the spool from `_lanes.py`."""
 
 from ._spec import (
     CHECK_TAG as CHECK_TAG,

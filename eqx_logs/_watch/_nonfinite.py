@@ -6,33 +6,39 @@ finite inputs into a non-finite output (a division, an `exp`, a matmul that over
 is checked, and the checks of each straight run of operations are one event under
 `CHECKED`: 0 if every output is finite, NaN if not, with the index of the first that is not
 as its step `OPERATION`, logged at a site that lists the run's operations (each with its
-address and the user's line). The spool's `first_nonfinite` search, which looks at every
-event in execution order, then reports the first of them (with the loop iterations, the
-vmap lane and the pass). Inside a shard_map each device checks its own operations, under a
-key of their own (`checked_key`: a key is logged under one set of mesh axes), and the search
-names the device. An operation that only moves or selects values (`reshape`,
-`select_n`, `max`, `tanh`, ...), or scales them by a literal of at most 1 (`0.5 * x`),
-cannot make a non-finite value of finite ones, so its output is not checked: where it is not
-finite, an input was, and that was checked first (or is an input of the program, checked
-on entry).
+address and the user's line), tagged `CHECK_TAG`: the search's own, which a policy that
+searches keeps whatever its filters say, and no logger writes. The spool's
+`first_nonfinite` search, which looks at every event in execution order, then reports the
+first of them (with the loop iterations, the vmap lane and the pass). Under a vmap inside
+the spool, each operation its batching rule bracketed (`_lanes.py`) is checked per lane,
+its checks one event per lane (under `lanes_key`). Inside a shard_map each device checks
+its own operations, under a key of their own (`checked_key`: a key is logged under one set
+of mesh axes), and the search names the device. An operation that only moves or selects
+values (`reshape`, `select_n`, `max`, `tanh`, ...), or scales them by a literal of at most 1
+(`0.5 * x`), cannot make a non-finite value of finite ones, so its output is not checked:
+where it is not finite, an input was, and that was checked first (or is an input of the
+program, checked on entry).
 """
 
+import contextlib
 import itertools
 import json
 import math
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeVar
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from .. import _compat
 from .._primitive import BACKWARD_TAG, bind
-from .._scope import user_site
+from .._scope import marking, user_site
 from .._wrapper import AbstractWrapper, build_wrapper, carrying
+from ._lanes import begin_p, end_p, install, is_bracket
 from ._rewrite import LOOPS, Watcher, retraced
-from ._spec import CHECK_TAG, OPERATION, Watch, checked_key
+from ._spec import CHECK_TAG, OPERATION, Watch, checked_key, lanes_key
 
 _T = TypeVar("_T")
 
@@ -171,14 +177,29 @@ class _AnyNonfinite(Watcher):
 
     def __init__(self):
         super().__init__(Watch("*", stats=None, backward=True))
-        # (value, site, operation, backward pass, NaN only)
-        self.pending: list[tuple[Any, str, str, bool, bool]] = []
+        # (value, site, operation, backward pass, NaN only, its lanes' axes, their sizes)
+        self.pending: list[tuple[Any, str, str, bool, bool, tuple, tuple]] = []
+        # the operations a batching rule bracketed (`_lanes.py`) open now, innermost last:
+        # `(number, what it logged)`, each `(value, site, operation, backward pass, NaN
+        # only, primitive)`, or a bracket ended inside, `("lanes", outputs, its end's
+        # params, what it logged)`: checked where the outermost ends, per lane
+        self.frames: list[tuple[int, list[tuple]]] = []
         self.sentinels: dict[int, tuple[Any, str]] = {}  # id -> (value, "inf" | "nan")
         # how the equation being evaluated is checked: "all", "nan" (only) or None (not)
         self.check: str | None = "all"
         self.mesh: tuple[str, ...] = ()  # the manual mesh axes of the shard_maps around it
 
+    def contains(self, closed: Any) -> bool:
+        # (what holds brackets is evaluated here, and they are removed)
+        return _compat.any_eqn(closed, lambda e: self.watches(e) or is_bracket(e))
+
     def equation(self, eqn, invals: list[Any], path: str, outer: tuple, counters) -> list[Any]:
+        if eqn.primitive is begin_p:
+            self.frames.append((eqn.params["id"], []))
+            return []
+        if eqn.primitive is end_p:
+            self._ended(eqn, invals)
+            return []
         if eqn.primitive.name != _compat.SHARD_MAP:
             return self._checked(eqn, invals, path, outer, counters)
         # a shard_map's body is checked on each device, its checks a key of their own (the
@@ -225,30 +246,111 @@ class _AnyNonfinite(Watcher):
             address = key.split("watch/", 1)[-1]
             operation = f"{eqn.primitive.name} at {address}"
             backward = _compat.in_backward_pass(eqn)
-            self.gather(x, site, operation, backward, nan_only=self.check == "nan")
+            nan_only = self.check == "nan"
+            if self.frames:  # (a batching rule's: checked per lane where it ends)
+                entry = (x, site, operation, backward, nan_only, eqn.primitive.name)
+                self.frames[-1][1].append(entry)
+            else:
+                self.gather(x, site, operation, backward, nan_only)
         return x
 
+    def _ended(self, eqn: _compat.JaxprEqn, invals: list[Any]) -> None:
+        """The end of an operation a batching rule bracketed: its outputs (`invals`, batched
+        on `eqn.params["axes"]`) checked per lane (`_lane_checks`).
+
+        Inside another bracket it waits: a vmap around (nested, or batching a jaxpr that
+        holds this one) brackets the same operation, and its end, which knows all the lanes,
+        checks it instead; a bracket whose end is not here (partial evaluation put it with
+        the tangents) checks what it holds, this one included, where it is released (at the
+        next `flush`). An end whose begin is not here checks nothing: what was logged
+        meanwhile is checked as it is."""
+        ids = [f[0] for f in self.frames]
+        if eqn.params["id"] not in ids:
+            return
+        at = ids.index(eqn.params["id"])
+        logged = [e for _, inner in self.frames[at:] for e in inner]  # (begun inside: too)
+        del self.frames[at:]
+        logged = [x for e in logged for x in (e[3] if e[0] == "lanes" else [e])]  # superseded
+        if self.frames:
+            self.frames[-1][1].append(("lanes", invals, eqn.params, logged))
+        else:
+            self._lane_checks(invals, eqn.params, logged)
+
+    def _lane_checks(self, outs: list[Any], params: dict, logged: list[tuple]) -> None:
+        """A bracketed operation's outputs `outs`, batched on `params["axes"]`, checked per
+        lane as the output of the operation its rule made (the last logged of its primitive's,
+        else the last logged); then what else it logged (a derivative's factor the rule
+        computed beside), as it is."""
+        main = [p for p in logged if p[5] == params["name"]]
+        rest = [p for p in logged if p[5] != params["name"]] if main else []
+        if logged:
+            _, site, operation, backward, nan_only, _ = (main or logged)[-1]
+            for x, axes in zip(outs, params["axes"]):
+                kind = self.sentinels.get(id(x), (None, None))[1]
+                if kind != "nan":
+                    self.gather(x, site, operation, backward, nan_only or kind == "inf", axes)
+        for entry in rest:
+            self.gather(*entry[:5])
+
+    def _release(self) -> None:
+        """What the open brackets hold, checked (in order)."""
+        frames, self.frames = self.frames, []
+        for _, logged in frames:
+            for entry in logged:
+                if entry[0] == "lanes":
+                    self._lane_checks(*entry[1:])
+                else:
+                    self.gather(*entry[:5])
+
     def gather(
-        self, x: Any, site: str, operation: str, backward: bool, nan_only: bool = False
+        self,
+        x: Any,
+        site: str,
+        operation: str,
+        backward: bool,
+        nan_only: bool = False,
+        axes: tuple[int, ...] = (),
     ) -> None:
-        if self.pending and self.pending[-1][3] != backward:
-            self.flush()  # (one pass per event)
-        self.pending.append((x, site, operation, backward, nan_only))
+        lanes = tuple(jnp.shape(x)[a] for a in axes)
+        if self.pending and self.pending[-1][3:7:3] != (backward, lanes):
+            self.flush()  # (one pass per event, of one lane shape)
+        self.pending.append((x, site, operation, backward, nan_only, axes, lanes))
 
     def flush(self) -> None:
+        if self.frames:
+            self._release()
         if not self.pending:
             return
-        largest = _largest([p[0] for p in self.pending])
+        pending, self.pending = self.pending, []
+        lanes = pending[0][6]
+        if lanes:  # each lane's largest magnitude (`_largest` of all lanes at once, else)
+            largest = [_lane_largest(p[0], p[5], math.prod(lanes)) for p in pending]
+        else:
+            largest = _largest([p[0] for p in pending])
         finite = jnp.stack(
-            [~jnp.isnan(m) if p[4] else jnp.isfinite(m) for m, p in zip(largest, self.pending)]
+            [~jnp.isnan(m) if p[4] else jnp.isfinite(m) for m, p in zip(largest, pending)]
         )
-        table = json.dumps([[p[1], p[2]] for p in self.pending])
-        value = lax.select(jnp.all(finite), jnp.float32(0), jnp.float32(np.nan))
-        first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
-        tags = (CHECK_TAG, BACKWARD_TAG) if self.pending[0][3] else (CHECK_TAG,)
-        self.pending = []
+        table = json.dumps([[p[1], p[2]] for p in pending])
+        tags = (CHECK_TAG, BACKWARD_TAG) if pending[0][3] else (CHECK_TAG,)
         key = checked_key(self.mesh)
-        bind({key: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
+
+        def event(finite):
+            value = lax.select(jnp.all(finite), jnp.float32(0), jnp.float32(np.nan))
+            first = jnp.argmin(finite).astype(jnp.int32)  # (the first False)
+            bind({key: value}, {OPERATION: first}, tags=tags, site=table, reduce="count")
+            return ()
+
+        if lanes:  # an event per lane (a key per number of lanes: a key has one layout)
+            key = lanes_key(key, math.prod(lanes))
+            jax.vmap(event, in_axes=1)(finite)
+        else:
+            event(finite)
+
+
+def _lane_largest(x: Any, axes: tuple[int, ...], n: int) -> Any:
+    """The largest magnitude in each of the `n` lanes of `x`, batched on `axes`."""
+    m = jnp.moveaxis(_magnitude(x), axes, tuple(range(len(axes)))).reshape(n, -1)
+    return jnp.max(m, axis=1) if m.shape[1] else jnp.zeros((n,), m.dtype)
 
 
 def checked(closed: Any, args: Sequence[Any]) -> Any:
@@ -290,8 +392,19 @@ class _Checked(AbstractWrapper):
         if not _compat.logging_enabled.value:  # no spool traces: nothing to check for
             return self.fun(*args, **kwargs)
         site = user_site()
-        closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
+        with lanes_marked("any"):
+            closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
         return rebuild(run_checked(closed, flat, site))
+
+
+def lanes_marked(first_nonfinite: Any) -> Any:
+    """Around the trace of a function whose program `checked` checks (`first_nonfinite` is
+    `"any"`): the batching rules bracket what they emit, so that each check under a vmap
+    inside knows its lanes (`_lanes.py`); else nothing."""
+    if first_nonfinite != "any":
+        return contextlib.nullcontext()
+    install()
+    return marking()
 
 
 def check_with(fun: Callable[..., _T]) -> Callable[..., _T]:

@@ -143,9 +143,15 @@ def checked_key(mesh: tuple[str, ...]) -> str:
     return f"{CHECKED}@{','.join(mesh)}" if mesh else CHECKED
 
 
+def lanes_key(key: str, lanes: int) -> str:
+    """`checked_key`'s key for the checks of values batched in `lanes` lanes by a vmap inside
+    the spool (one event per lane)."""
+    return f"{key}#{lanes}"
+
+
 def is_checked(key: str) -> bool:
-    """Whether `key` is one of `checked_key`'s."""
-    return key == CHECKED or key.startswith(f"{CHECKED}@")
+    """Whether `key` is one of `checked_key`'s (or `lanes_key`'s)."""
+    return key == CHECKED or key.startswith((f"{CHECKED}@", f"{CHECKED}#"))
 
 
 def checked_names(names: Any, keys: Any) -> list[str]:
