@@ -20,11 +20,11 @@ functional form Flax documents, so it is left to Flax.)
 `logger.jit`, the per-step loop's form, carries the objects passed as its arguments
 themselves (`step(model, optimizer, x, y, i)`) per structure (`Fast`): Flax's graph flatten
 (1.7 ms, and 1.2 ms for `nnx.update`, for a two-layer classifier and its adam optimizer on
-a shared 2-core CPU) runs when the objects or their structure are new, and each call reads the arrays
-with JAX's pytree flatten, checked against the structure found (the same objects, met in the
-same order, the same pytree structure: the same graph), and writes the new arrays into the
-Variables. Objects inside another argument, passed by keyword, inside the function, or
-holding what is not a JAX array are carried by `carry` at each call.
+a shared 2-core CPU) runs when the objects or their structure are new, and each call reads
+the arrays with JAX's pytree flatten, checked against the structure found (the same
+objects, met in the same order, the same pytree structure: the same graph), and writes the
+new arrays into the Variables. Objects inside another argument, passed by keyword, inside
+the function, or holding what is not a JAX array are carried by `carry` at each call.
 
 Without flax imported there is no NNX object, and `carry` returns None at once.
 """
@@ -137,10 +137,11 @@ class Carried:
         # (as plain arrays: arguments that hold Variables are carried again by `logger.jit`)
         self.args = (nnx.to_pure_dict(state), *args)
 
-    def finish(self, after: After, where: str, rebuilt: bool) -> None:
+    def finish(self, after: After, where: str, rebuilt: bool, donated: bool = False) -> None:
         """Write `after` into the caller's objects. `rebuilt`: the wrapper was flattened and
-        rebuilt by a transform (its objects, that transform's copies, are dropped by it)."""
-        if not after.changed:
+        rebuilt by a transform (its objects, that transform's copies, are dropped by it);
+        `donated`: the objects' arrays were donated to the call (written back unchanged)."""
+        if not after.changed and not donated:
             return
         if rebuilt and not getattr(_local, "depth", 0):
             raise ValueError(
@@ -356,9 +357,12 @@ class Fast:
             return None
         return structure, [leaves[k] for k in structure.take], tuple(holed)
 
-    def write(self, structure: Structure, written: Written, where: str) -> None:
-        """Write a call's `Written` into the objects, as `nnx.update` does."""
-        if not written.changed:
+    def write(
+        self, structure: Structure, written: Written, where: str, donated: bool = False
+    ) -> None:
+        """Write a call's `Written` into the objects, as `nnx.update` does (what the call
+        did not change too, where their arrays were `donated`: the objects hold them)."""
+        if not written.changed and not donated:
             return
         if written.same:
             for variable, value in zip(structure.variables, written.leaves, strict=True):

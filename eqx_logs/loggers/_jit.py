@@ -254,7 +254,7 @@ class Jit:
             out, written = jitted(leaves, *holed, **kwargs)
         except _Nested:  # (an NNX object inside another argument: all carried together)
             return self._carried(args, kwargs, "__call__")
-        self._fast.write(structure, written, "logger.jit")
+        self._fast.write(structure, written, "logger.jit", self.donate in ("all", "warn"))
         return out
 
     def _graph(self, fun: Any) -> "Jit":
@@ -288,7 +288,7 @@ class Jit:
         if method == "lower":
             return jitted.lower(*carry.args, **carry.kwargs)
         out, after = jitted(*carry.args, **carry.kwargs)
-        carry.finish(after, "logger.jit", rebuilt=False)
+        carry.finish(after, "logger.jit", rebuilt=False, donated=self.donate in ("all", "warn"))
         return out
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[Any, list]:
