@@ -131,7 +131,8 @@ class AbstractLogger(eqx.Module):
         compiles the step, its logs kept every `interval` steps. `step="step"` names the
         step parameter: its Python int is passed traced (one compiled step serves every
         iteration), and the steps the interval skips run without their logs, picked on the
-        host. Every backend is used this way.
+        host. Every backend is used this way: each backend's example runs this `train`
+        with its own logger.
 
         ```python
         from eqx_logs.loggers import JsonlLogger
@@ -148,10 +149,15 @@ class AbstractLogger(eqx.Module):
             return eqx.apply_updates(model, updates), opt_state
 
 
-        with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
+        def train(logger, model, opt_state, steps=30):
             step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):
+            for i in range(steps):
                 model, opt_state = step(model, opt_state, x, y, i)
+            return model, opt_state
+
+
+        with JsonlLogger("run.jsonl") as logger:  # on leaving: all written, closed
+            model, opt_state = train(logger, model, opt_state)
         ```
     """
 
