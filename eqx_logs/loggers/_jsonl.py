@@ -35,18 +35,16 @@ class JsonlLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), its losses read back:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger, its losses read back:
 
         ```python
         from eqx_logs.loggers import JsonlLogger, read_jsonl
 
-        with JsonlLogger("run.jsonl") as logger:  # leaving the block writes the rest, closes
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step named: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
-        losses = [(r["step"], r["value"]) for r in read_jsonl("run.jsonl") if r["key"] == "loss"]
-        # steps 0, 10, 20
+        with JsonlLogger("run.jsonl") as logger:
+            model, opt_state = train(logger, model, opt_state)
+        losses = [r for r in read_jsonl("run.jsonl") if r["key"] == "loss"]
+        print([r["step"] for r in losses])  # [0, 10, 20]
         ```
     """
 
