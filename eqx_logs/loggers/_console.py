@@ -97,9 +97,9 @@ class ConsoleLogger(AbstractLogger):
     lines of their own, after the others.
 
     ```
-    step=    0  grad/layer0=0.06229   grad/layer1=0.4106    grad/layer2=0.5984    loss=0.2783
-    step=  100  grad/layer0=0.04327   grad/layer1=0.07802   grad/layer2=0.06296   loss=0.1876
-    step= 1000  grad/layer0=0.009021  grad/layer1=0.009544  grad/layer2=0.004107  loss=0.009483
+    step=    0  grad/layer0=0.06229   grad/layer1=0.4106    loss=0.2783
+    step=  100  grad/layer0=0.04327   grad/layer1=0.07802   loss=0.1876
+    step= 1000  grad/layer0=0.009021  grad/layer1=0.009544  loss=0.009483
     ```
 
     **Arguments:**
@@ -112,16 +112,14 @@ class ConsoleLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), a line every 10 steps:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger: a line every 10 steps.
 
         ```python
         from eqx_logs.loggers import ConsoleLogger
 
         with ConsoleLogger() as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+            model, opt_state = train(logger, model, opt_state)
         ```
     """
 
