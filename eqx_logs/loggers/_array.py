@@ -43,17 +43,16 @@ class ArrayLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), read back as arrays:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger, read back as arrays:
 
         ```python
         from eqx_logs.loggers import ArrayLogger, read_arrays
 
         with ArrayLogger("arrays") as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
-        losses = [event["value"] for event in read_arrays("arrays")["loss"]]  # steps 0, 10, 20
+            model, opt_state = train(logger, model, opt_state)
+        events = read_arrays("arrays")["loss"]  # a dict per event: value, step/step
+        print([int(event["step/step"]) for event in events])  # [0, 10, 20]
         ```
     """
 

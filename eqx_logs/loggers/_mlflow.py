@@ -55,16 +55,15 @@ class MLflowLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), tracked in a local database:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger, tracked in a local database:
 
         ```python
         from eqx_logs.loggers import MLflowLogger
 
-        with MLflowLogger("sqlite:///mlflow.db", experiment="demo", config={"lr": 0.1}) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+        uri = "sqlite:///mlflow.db"
+        with MLflowLogger(uri, experiment="demo", config={"lr": 0.1}) as logger:
+            model, opt_state = train(logger, model, opt_state)
         # mlflow ui --backend-store-uri sqlite:///mlflow.db
         ```
     """

@@ -38,16 +38,14 @@ class MultiLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), printed and written to a file:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger: printed and written to a file.
 
         ```python
         from eqx_logs.loggers import ConsoleLogger, JsonlLogger, MultiLogger
 
         with MultiLogger(ConsoleLogger(), JsonlLogger("run.jsonl")) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+            model, opt_state = train(logger, model, opt_state)
         ```
     """
 

@@ -62,16 +62,14 @@ class ProgressLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example); the bar ends at `total` when the logger is closed:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger; the bar ends at `total` when the logger is closed:
 
         ```python
         from eqx_logs.loggers import ProgressLogger
 
         with ProgressLogger(total=30, desc="train") as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+            model, opt_state = train(logger, model, opt_state)
         ```
     """
 

@@ -50,16 +50,14 @@ class TrackioLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example):
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger:
 
         ```python
         from eqx_logs.loggers import TrackioLogger
 
         with TrackioLogger(project="demo", config={"lr": 0.1}) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+            model, opt_state = train(logger, model, opt_state)
         # trackio show --project demo
         ```
     """

@@ -26,16 +26,14 @@ class WandbLogger(AbstractLogger):
 
     !!! example
 
-        A per-step training loop (`train_step` as in [`eqx_logs.loggers.AbstractLogger`][]'s
-        example), written offline:
+        The training loop of [`eqx_logs.loggers.AbstractLogger`][]'s example (`train`) with
+        this logger, written offline:
 
         ```python
         from eqx_logs.loggers import WandbLogger
 
         with WandbLogger(project="demo", mode="offline", config={"lr": 0.1}) as logger:
-            step = logger.jit(train_step, logger.init(), interval=10, step="step")
-            for i in range(30):  # the step as an array: one compiled step for every i
-                model, opt_state = step(model, opt_state, x, y, i)
+            model, opt_state = train(logger, model, opt_state)
         # wandb sync wandb/offline-run-*
         ```
     """
