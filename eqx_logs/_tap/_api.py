@@ -120,7 +120,10 @@ def tap(
                 return c + 1, None
             return jax.lax.scan(step, 0, xs)[0]
 
-        eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints x=0 step=0, x=2 ..., x=4 ...
+        eqx_logs.tap(f, interval=2)(jnp.arange(5.0))  # prints 3 lines:
+        # x=0  step=0
+        # x=2  step=2
+        # x=4  step=4
         ```
     """
     check_tap_options("eqx_logs.tap", options, also=("callback", "policy", "buffer", "on_error"))
