@@ -182,9 +182,11 @@ def instrument(
     !!! example
 
         ```python
-        mlp = eqx_logs.instrument(eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0)), grads=True)
+        mlp = eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0))
+        mlp = eqx_logs.instrument(mlp, grads=True)
         x = jnp.ones(2)
-        grads, logs = eqx_logs.spool(eqx.filter_grad(lambda m, x: jnp.sum(m(x))))(mlp, x)
+        grad = eqx.filter_grad(lambda m, x: jnp.sum(m(x)))
+        grads, logs = eqx_logs.spool(grad)(mlp, x)
         logs["layers[1]/rms"], logs["layers[1]/grad/rms"]
         ```
     """
