@@ -399,7 +399,8 @@ def log_stats(
             eqx_logs.log_stats("grad", grads, stats=("norm",))  # one key per weight
             return loss
 
-        loss, logs = eqx_logs.spool(step)(model, x, y)  # logs["grad/layers[0].weight/norm"]
+        loss, logs = eqx_logs.spool(step)(model, x, y)
+        logs["grad/layers[0].weight/norm"]  # the norm of layers[0].weight's gradient
         ```
     """
     site = call_site()
