@@ -612,7 +612,8 @@ def plant(
         eqx_logs.plant(f, {"x": lambda x: -x})(jnp.ones(3))  # -3.0
 
         mlp = eqx_logs.instrument(eqx.nn.MLP(2, 1, 8, 2, key=jax.random.key(0)))
-        ablated = eqx_logs.plant(mlp, {"layers[1]": jnp.zeros_like})  # layers[1] outputs 0
+        # the MLP with the output of layers[1] replaced by zeros
+        ablated = eqx_logs.plant(mlp, {"layers[1]": jnp.zeros_like})
         ablated(jnp.ones(2))  # mlp.layers[2](jax.nn.relu(jnp.zeros(8)))
         ```
     """
