@@ -83,7 +83,10 @@ def watch(
 
         ```python
         def f(x):
-            return jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] * x), (0, x))
+            def body(c):
+                return c[0] + 1, c[1] * x
+
+            return jax.lax.while_loop(lambda c: c[0] < 3, body, (0, x))
 
         _, logs = eqx_logs.spool(eqx_logs.watch(f, "while"), reduce="last")(2.0)
         logs["watch/while[0]/carry/1"]  # 16.0
