@@ -34,7 +34,9 @@ class AbstractReduction(eqx.Module):
                 return jax.tree.map(lambda s: jnp.ones(s.shape, s.dtype), struct)
 
             def update(self, state, value, valid):
-                return jax.tree.map(lambda s, v: jnp.where(valid, s * v, s), state, value)
+                return jax.tree.map(
+                    lambda s, v: jnp.where(valid, s * v, s), state, value
+                )
 
             def merge(self, a, b):
                 return jax.tree.map(jnp.multiply, a, b)
