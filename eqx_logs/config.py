@@ -382,7 +382,8 @@ def instantiate_logger(cfg: Any, key: str = "logger") -> Any:
     ```python
     @hydra.main(config_path="conf", config_name="config", version_base="1.3")
     def main(cfg):
-        with eqx_logs.config.instantiate_logger(cfg) as logger:  # not instantiate(cfg.logger)
+        # records cfg with its runs, as instantiate(cfg.logger) does not
+        with eqx_logs.config.instantiate_logger(cfg) as logger:
             ...
     ```
 
