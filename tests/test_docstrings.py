@@ -1,8 +1,9 @@
 """Every `!!! example` in the docstrings of the public API runs, as the README's and the
 pages' examples do: each block in a fresh namespace, with the usual imports and the few
 names the examples take as given (`CONTEXT`: an input `x`, a function `f` that logs, a
-model and its loss, the loggers' training step). An example that raises (a key that is not
-logged, a name used but not defined here) fails with its owner's name.
+model and its loss, the loggers' training step and loop). An example that raises (a key that
+is not logged, a name used but not defined here) fails with its owner's name. Every code block
+of a public docstring fits the API pages' code column.
 
 Each runs in a temporary directory of its own, where the loggers' examples write their files:
 W&B offline, MLflow's database `mlflow.db` there, trackio in a temporary `TRACKIO_DIR`, no
@@ -20,6 +21,7 @@ import tempfile
 import textwrap
 
 import pytest
+from test_docs import CODE_COLUMNS
 
 import eqx_logs
 import eqx_logs.config
@@ -67,11 +69,19 @@ optimizer = optax.sgd(0.1)
 opt_state = optimizer.init(eqx.filter(model, eqx.is_array))
 
 
-def train_step(model, opt_state, x, y, step):   # the loggers' training step (AbstractLogger's)
+# the loggers' training step and loop (AbstractLogger's example), which backends' examples run
+def train_step(model, opt_state, x, y, step):
     loss, grads = eqx.filter_value_and_grad(loss_fn)(model, x, y)
     eqx_logs.log({"loss": loss}, step=step)
     updates, opt_state = optimizer.update(grads, opt_state, model)
     return eqx.apply_updates(model, updates), opt_state
+
+
+def train(logger, model, opt_state, steps=30):
+    step = logger.jit(train_step, logger.init(), interval=10, step="step")
+    for i in range(steps):
+        model, opt_state = step(model, opt_state, x, y, i)
+    return model, opt_state
 """
 
 
@@ -150,3 +160,48 @@ def test_docstring_example_runs(owner, code, wandb_env, tmp_path, monkeypatch):
     exec(compile(IMPORTS + CONTEXT, "<docstring context>", "exec"), namespace)
     with contextlib.redirect_stdout(io.StringIO()):
         exec(compile(code, f"<example of {owner}>", "exec"), namespace)
+
+
+def test_the_loggers_loop_is_abstract_loggers():
+    # the backends' examples run `train` "as in AbstractLogger's example": CONTEXT's copy is
+    # that example's, word for word
+    (example,) = _examples(eqx_logs.loggers.AbstractLogger.__doc__)
+    for name in ("train_step", "train"):
+        definition = re.search(rf"^def {name}\(.*?(?=\n\n|\n\Z)", CONTEXT, flags=re.S | re.M)
+        assert definition.group() in example, name
+    assert "for i in range(steps):" in example
+
+
+def _code_blocks(doc):
+    """(columns, lines) for each fenced code block of `doc`: CODE_COLUMNS, the API pages' code
+    column at 1280 px, less 2 for each admonition around the block (an `!!! example` box
+    holds 80: its padding, measured in headless Chromium as test_docs.py's CODE_COLUMNS)."""
+    lines = inspect.cleandoc(doc).splitlines()
+    blocks, admonitions, k = [], [], 0
+    while k < len(lines):
+        line = lines[k]
+        indent = len(line) - len(line.lstrip())
+        if line.strip():
+            admonitions = [a for a in admonitions if indent > a]
+        if line.lstrip().startswith(("!!! ", "??? ", "???+ ")):
+            admonitions.append(indent)
+        elif line.lstrip().startswith("```"):
+            body, k = [], k + 1
+            while k < len(lines) and not lines[k].lstrip().startswith("```"):
+                body.append(lines[k][indent:])
+                k += 1
+            blocks.append((CODE_COLUMNS - 2 * len(admonitions), body))
+        k += 1
+    return blocks
+
+
+def test_docstring_code_fits_the_example_box():
+    """No code line of a public name's docstring is wider than its box on the API page: a
+    longer one scrolls sideways, or hides its end (the `# 16.0` of an example)."""
+    wide, count = [], 0
+    for name, obj in _owners():
+        for columns, body in _code_blocks(obj.__doc__ or ""):
+            count += 1
+            wide += [f"{name} ({columns}): {line}" for line in body if len(line) > columns]
+    assert count >= len(CASES), count
+    assert not wide, "\n".join(wide)
