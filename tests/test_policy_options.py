@@ -99,9 +99,17 @@ def test_none_keeps_the_policys_value():
         (lambda: el.spool(f, polcy=None), r"eqx_logs\.spool", "policy"),
         (lambda: el.spool(tag="train"), r"eqx_logs\.spool", "tags"),
         (lambda: el.tap(f, prefx="a"), r"eqx_logs\.tap", "prefix"),
-        (lambda: eqx_logs.config.policy(sed=1), r"eqx_logs\.config\.policy", "seed"),
     ],
 )
 def test_an_unknown_keyword_is_named_with_the_closest(call, where, near):
     with pytest.raises(TypeError, match=rf"{where}\(\) got an unexpected .* Did you mean '{near}'"):
         call()
+
+
+def test_an_unknown_config_key_is_named_as_the_config_writes_it():
+    """`config.policy` (what Hydra instantiates) names a key that is no option as the config
+    writes it (`logging.sed=1`), with the closest option."""
+    with pytest.raises(TypeError, match=r"logging\.sed=1: .* Did you mean logging\.seed\?"):
+        eqx_logs.config.policy(sed=1)
+    with pytest.raises(TypeError, match=r"train\.intervall=3: .* Did you mean train\.interval\?"):
+        eqx_logs.config.policy(config_key="train", intervall=3)
