@@ -30,7 +30,21 @@ Every form's file is read back and checked against the losses the `by hand, ever
 loop computed: every 100th step, or every step. With `--memory`, the resident memory of a
 10,000-step `logger.jit` loop is sampled every 1,000 steps (it must stay flat).
 
-Run from the repository root: `python benchmarks/bench_loop.py [--quick] [--memory]`.
+Then Flax NNX (with flax installed): a classifier (batch 256x10, one hidden layer of 64, 10
+classes) and the wide MLP, as `nnx.Module`s trained in place by an `nnx.Optimizer` (adam),
+`NNX_STEPS` steps, the loss logged with the step, interval `NNX_INTERVAL`. Each form's ratio
+is its wall time over the `nnx.jit` loop of the same step (where a log outside a logger does
+nothing), interleaved as above, each round from the same initial state:
+
+- `logger.jit(step="i", interval=10)`: the step as a Python int (target: within 1.1x of
+  `nnx.jit`);
+- `logger.jit(nnx.jit(step), step="i", interval=10)`: the same, the step given in `nnx.jit`;
+- `logger.jit(step="i")`: every step writes its row;
+- `logger.jit((model, optimizer), ...)`: the objects passed in a tuple (split at every call,
+  the form without the per-structure carry).
+
+Run from the repository root: `python benchmarks/bench_loop.py [--quick] [--memory] [--nnx]`
+(`--nnx`: the NNX rows alone).
 """
 
 import argparse
@@ -332,10 +346,126 @@ def memory(width: int, depth: int) -> None:
     print(f"  growth over the last 9,000 steps: {samples[-1] - samples[0]:.1f} MiB")
 
 
+NNX_STEPS, NNX_INTERVAL = 200, 10
+# (batch, inputs, width, depth, outputs; classes: a cross-entropy on integer labels)
+NNX_SIZES = {"NNX classifier": (256, 10, 64, 1, 10), "NNX wide MLP": (BATCH, IN, 1024, 3, 1)}
+
+
+def nnx_loops(batch: int, inputs: int, width: int, depth: int, outputs: int):
+    """The NNX model, its optimizer and data; the step (logging its loss with the step), the
+    same step taking the objects in a tuple, and the initial state to start each round from."""
+    from flax import nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            sizes = [inputs] + [width] * depth + [outputs]
+            self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes, sizes[1:])])
+
+        def __call__(self, x):
+            for layer in self.layers[:-1]:
+                x = nnx.relu(layer(x))
+            return self.layers[-1](x)
+
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(1), (batch, inputs))
+    if outputs > 1:
+        y = jax.random.randint(jax.random.key(2), (batch,), 0, outputs)
+        loss_of = optax.softmax_cross_entropy_with_integer_labels
+    else:
+        y = jax.random.normal(jax.random.key(2), (batch, 1))
+        loss_of = lambda out, y: (out - y) ** 2  # noqa: E731
+
+    def step(model, optimizer, x, y, i):
+        def loss_fn(model):
+            return jnp.mean(loss_of(model(x), y))
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        eqx_logs.log({"loss": loss}, step=i)
+        return loss
+
+    def tupled(objects, x, y, i):
+        return step(*objects, x, y, i)
+
+    first = nnx.to_pure_dict(nnx.state((model, optimizer)))  # (the arrays, not the Variables)
+    return nnx, model, optimizer, x, y, step, tupled, first
+
+
+def measure_nnx(name: str, sizes: tuple, repeats: int) -> dict[str, float]:
+    nnx, model, optimizer, x, y, step, tupled, first = nnx_loops(*sizes)
+
+    def reset():
+        nnx.update((model, optimizer), first)
+
+    def loop(fn, tuple_form=False):
+        def go():
+            reset()
+            for i in range(NNX_STEPS):
+                if tuple_form:
+                    fn((model, optimizer), x, y, i)
+                else:
+                    fn(model, optimizer, x, y, i)
+            jax.block_until_ready(nnx.state(model))
+
+        return go
+
+    plain = nnx.jit(step)
+    reset()  # the losses of the loop, every step, for the files' check
+    losses = [float(plain(model, optimizer, x, y, jnp.int32(i))) for i in range(NNX_STEPS)]
+    tmp = tempfile.mkdtemp()
+    forms = {
+        f'logger.jit(step="i", interval={NNX_INTERVAL})': (
+            lambda lg: lg.jit(step, lg.init(), interval=NNX_INTERVAL, step="i"),
+            NNX_INTERVAL,
+            False,
+        ),
+        f'logger.jit(nnx.jit(step), step="i", interval={NNX_INTERVAL})': (
+            lambda lg: lg.jit(nnx.jit(step), lg.init(), interval=NNX_INTERVAL, step="i"),
+            NNX_INTERVAL,
+            False,
+        ),
+        'logger.jit(step="i")': (lambda lg: lg.jit(step, lg.init(), step="i"), 1, False),
+        f'logger.jit((model, optimizer), step="i", interval={NNX_INTERVAL})': (
+            lambda lg: lg.jit(tupled, lg.init(), interval=NNX_INTERVAL, step="i"),
+            NNX_INTERVAL,
+            True,
+        ),
+    }
+    loggers = {f: JsonlLogger(os.path.join(tmp, f"nnx{i}.jsonl")) for i, f in enumerate(forms)}
+    runs = {"nnx.jit": loop(lambda m, o, x, y, i: plain(m, o, x, y, jnp.int32(i)))}
+    for f, (make, _, tuple_form) in forms.items():
+        runs[f] = loop(make(loggers[f]), tuple_form)
+    times = interleaved(runs, repeats)
+    for f, logger in loggers.items():
+        logger.close()
+        every = forms[f][1]
+        rows = [r for r in read_jsonl(logger.path) if r["key"] == "loss"]
+        want = list(range(0, NNX_STEPS, every))
+        assert [r["step"] for r in rows[-len(want) :]] == want, f
+        got = [r["value"] for r in rows[-len(want) :]]
+        np.testing.assert_allclose(got, [losses[s] for s in want], rtol=1e-4, err_msg=f)
+    base = times["nnx.jit"]
+    per_step = statistics.median(base) / NNX_STEPS * 1e6
+    print(f"\n{name} {sizes}: nnx.jit {per_step:.0f} us/step ({NNX_STEPS} steps)")
+    print(f"  {'':58s} / nnx.jit (rounds' quartiles)")
+    ratios = {}
+    for k in runs:
+        if k == "nnx.jit":
+            continue
+        ratios[k], q1, q3 = _ratios(times[k], base)
+        line = f"  {k:58s} {ratios[k]:5.2f}x ({q1:.2f}-{q3:.2f})"
+        if k == f'logger.jit(step="i", interval={NNX_INTERVAL})':
+            line += f"   target 1.1 {'ok' if ratios[k] <= 1.1 else 'MISS'}"
+        print(line)
+    return ratios
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--memory", action="store_true")
+    parser.add_argument("--nnx", action="store_true", help="the Flax NNX rows alone")
     args = parser.parse_args()
     repeats = 3 if args.quick else 7
     print(
@@ -344,11 +474,19 @@ def main() -> int:
         f"{STEPS} steps, interval={INTERVAL}, JSONL; "
         f"median of {repeats} interleaved rounds"
     )
-    for name, (width, depth) in SIZES.items():
-        measure(name, width, depth, repeats)
-    dispatch(repeats)
-    if args.memory:
-        memory(*SIZES["small MLP"])
+    if not args.nnx:
+        for name, (width, depth) in SIZES.items():
+            measure(name, width, depth, repeats)
+        dispatch(repeats)
+        if args.memory:
+            memory(*SIZES["small MLP"])
+    try:
+        import flax.nnx  # noqa: F401
+    except ImportError:
+        print("\n(flax not installed: no NNX rows)")
+        return 0
+    for name, sizes in NNX_SIZES.items():
+        measure_nnx(name, sizes, repeats)
     return 0
 
 

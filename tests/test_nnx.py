@@ -586,3 +586,26 @@ def test_logger_jit_donating_a_step_that_changes_nothing_keeps_the_arrays(tmp_pa
             np.testing.assert_allclose(out, want, rtol=1e-6)
             assert not lin.kernel[...].is_deleted()
     np.testing.assert_allclose(lin(X), want, rtol=1e-6)
+
+
+def test_logger_jit_carries_an_nnx_object_that_is_no_pytree(tmp_path):
+    """An `nnx.Object` (not a JAX pytree: JAX sees it as one leaf) passed itself: carried by
+    a split at each call, its Variable updated as by `nnx.jit` (3.0 after three calls)."""
+
+    class Tally(nnx.Object):
+        def __init__(self):
+            self.total = nnx.Variable(jnp.zeros(()))
+
+    def bump(tally, x):
+        tally.total[...] = tally.total[...] + jnp.sum(x)
+        el.log("total", tally.total[...])
+        return tally.total[...]
+
+    want, got = Tally(), Tally()
+    with loggers.JsonlLogger(tmp_path / "run.jsonl") as logger:
+        stepped = logger.jit(bump, logger.init())
+        for _ in range(3):
+            nnx.jit(bump)(want, jnp.ones(()))
+            stepped(got, jnp.ones(()))
+    assert float(got.total[...]) == float(want.total[...]) == 3.0
+    assert [r["value"] for r in loggers.read_jsonl(tmp_path / "run.jsonl")] == [1.0, 2.0, 3.0]

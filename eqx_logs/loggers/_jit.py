@@ -233,9 +233,9 @@ class Jit:
         """A call whose arguments are Flax NNX objects themselves (`step(model, optimizer,
         x, y, i)`), carried per structure (`_nnx.Fast`): the objects' arrays read, passed
         to the compiled step of their graph, and its new ones written into their Variables,
-        as `nnx.jit` leaves them. `_NOT_FAST` where the call is another's (no NNX object
-        among the arguments, or one inside another argument, or of a kind `Fast` leaves to
-        `_carried`)."""
+        as `nnx.jit` leaves them. `_NOT_FAST` where no argument is an NNX object; the
+        others (an NNX object inside another argument too, or one of a kind `Fast` leaves to
+        `carry`) are `_carried`."""
         is_nnx = _nnx.is_nnx
         if not any(map(is_nnx, args)) and not any(map(is_nnx, kwargs.values())):
             return _NOT_FAST
@@ -244,8 +244,8 @@ class Jit:
             if any(map(is_nnx, kwargs.values())):
                 return self._carried(args, kwargs, "__call__")
         split = self._fast.split(args)
-        if split is None:
-            return _NOT_FAST
+        if split is None:  # (objects of a kind `Fast` leaves to `carry`)
+            return self._carried(args, kwargs, "__call__")
         structure, leaves, holed = split
         jitted = structure.jit
         if jitted is None:
