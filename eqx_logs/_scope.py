@@ -141,6 +141,24 @@ def call_step(step: Any) -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def kept_at(step: Any) -> Iterator[None]:
+    """Inside the block, `step` (the traced step argument of a `logger.jit` call) is a step
+    the interval keeps: the host read the call's step and chose the program for kept steps.
+    An event whose step is that very value is then kept without a gate on the device (see
+    `kept_step`)."""
+    saved, local.kept_step = getattr(local, "kept_step", None), step
+    try:
+        yield
+    finally:
+        local.kept_step = saved
+
+
+def kept_step() -> Any:
+    """The step `kept_at` says the interval keeps, else None."""
+    return getattr(local, "kept_step", None)
+
+
 def note_steps(steps: dict[str, Any], site: str) -> None:
     """Tell the enclosing `watching`, if any, the steps of an event traced at `site`."""
     watch = getattr(local, "watch", None)

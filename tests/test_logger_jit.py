@@ -6,6 +6,10 @@ logger forms on the same loop, and counts real executions where the question is 
 something ran.
 """
 
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -17,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from helpers import ROOT
 
 import eqx_logs
 from eqx_logs.loggers import (
@@ -826,3 +831,96 @@ def test_the_python_int_warning_of_logger_jit_recommends_step_first(tmp_path):
     first = message.index('name it, `logger.jit(fun, state, step="i")`')
     assert first < message.index("Otherwise pass an array, `jnp.int32(i)`"), message
     assert [r["step"] for r in read_jsonl(tmp_path / "a.jsonl")] == [0, 1, 2, 3]
+
+
+# Run at XLA's default level, as a user's compile is (`make test`'s -O0 and cheap passes
+# rounded both programs alike): an Equinox MLP with adam, and a Flax NNX model with
+# `nnx.Optimizer` changed in place, each trained with and without logging; prints, per
+# model and interval, whether the trained arrays are equal and the written losses.
+_KEPT_STEPS = """
+import json, sys, equinox as eqx, jax, jax.numpy as jnp, numpy as np, optax
+from flax import nnx
+import eqx_logs
+from eqx_logs.loggers import JsonlLogger, read_jsonl
+
+out, result = sys.argv[1], {}
+kx, km = jax.random.split(jax.random.key(0))
+x = jax.random.normal(kx, (64, 2))
+y = jnp.sin(x[:, :1]) * jnp.cos(x[:, 1:])
+opt = optax.adam(1e-2)
+
+def flat(tree):
+    return np.concatenate([np.ravel(a) for a in jax.tree.leaves(eqx.filter(tree, eqx.is_array))])
+
+def eqx_step(model, opt_state, x, y, i):
+    loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+    eqx_logs.log({"loss": loss, "grad_norm": optax.tree.norm(grads)})
+    updates, opt_state = opt.update(grads, opt_state, model)
+    return eqx.apply_updates(model, updates), opt_state
+
+def nnx_make():
+    model = nnx.Sequential(
+        nnx.Linear(2, 32, rngs=nnx.Rngs(0)), nnx.relu, nnx.Linear(32, 1, rngs=nnx.Rngs(1))
+    )
+    return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+def nnx_step(model, optimizer, x, y, i):
+    loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+    eqx_logs.log({"loss": loss})
+    optimizer.update(model, grads)
+
+def losses(path):
+    return {r["step"]: r["value"] for r in read_jsonl(path) if r["key"] == "loss"}
+
+model = eqx.nn.MLP(2, 1, 32, 2, key=km)
+start = (model, opt.init(eqx.filter(model, eqx.is_array)))
+plain, (m, o) = eqx.filter_jit(eqx_step), start
+for i in range(200):
+    m, o = plain(m, o, x, y, jnp.int32(i))
+want = np.concatenate([flat(m), flat(o)])
+n_model, n_opt = nnx_make()
+n_plain = nnx.jit(nnx_step)
+for i in range(200):
+    n_plain(n_model, n_opt, x, y, jnp.int32(i))
+n_want = flat(nnx.state(n_model))
+for interval in (7, 1):
+    with JsonlLogger(f"{out}/eqx{interval}.jsonl") as logger:
+        step, (m, o) = logger.jit(eqx_step, logger.init(), interval=interval, step="i"), start
+        for i in range(200):
+            m, o = step(m, o, x, y, i)
+    same = bool(np.array_equal(np.concatenate([flat(m), flat(o)]), want))
+    result[f"eqx{interval}"] = [same, losses(f"{out}/eqx{interval}.jsonl")]
+    n_model, n_opt = nnx_make()
+    with JsonlLogger(f"{out}/nnx{interval}.jsonl") as logger:
+        step = logger.jit(nnx_step, logger.init(), interval=interval, step="i")
+        for i in range(200):
+            step(n_model, n_opt, x, y, i)
+    same = bool(np.array_equal(flat(nnx.state(n_model)), n_want))
+    result[f"nnx{interval}"] = [same, losses(f"{out}/nnx{interval}.jsonl")]
+print(json.dumps(result))
+"""
+
+
+def test_kept_steps_compute_what_the_unlogged_step_computes(tmp_path, jax_cache):
+    """`interval=7, step="i"`: the steps the host sees kept run the step without a gate on
+    the device (which changed how XLA compiled the update: an Equinox MLP with adam was
+    1e-4 apart from the unlogged loop's by step 200), so an Equinox model and a Flax NNX
+    model with `nnx.Optimizer` trained 200 steps are bit for bit those trained without
+    logging (`eqx.filter_jit`, `nnx.jit`), and each written loss is bit for bit that of
+    `interval=1` (no gate at all). Compiled at XLA's default level, as a user's are."""
+    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT), **jax_cache}
+    env["JAX_NUMPY_DTYPE_PROMOTION"] = "standard"  # (optax's adam promotes)
+    run = subprocess.run(
+        [sys.executable, "-c", _KEPT_STEPS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    result = json.loads(run.stdout.splitlines()[-1])
+    for model in ("eqx", "nnx"):
+        (same, kept), (same_1, every) = result[f"{model}7"], result[f"{model}1"]
+        assert same and same_1, model
+        assert [int(s) for s in kept] == list(range(0, 200, 7))
+        assert kept == {s: every[s] for s in kept}

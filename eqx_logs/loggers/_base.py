@@ -32,7 +32,7 @@ from ._packed import Packed, unpack
 from ._run_config import RunConfig, as_config
 from ._sink import AbstractSink, Backend, Sink
 from ._state import LoggerState, run_index
-from ._steps import AtStep, Gate, Skipping, StepArg
+from ._steps import AtStep, Gate, Keeping, Skipping, StepArg
 from ._transfer import Packing, nbytes_of, one_process
 from ._writer import ON_FULL, STALL_TIMEOUT
 
@@ -315,7 +315,10 @@ class AbstractLogger(eqx.Module):
         computed, returned or written for logs), where its trace finds every event at the
         call's step (logged without `step=`, or with `step=` that very argument); where some
         event is at another step (`step=2 * i`, a step passed into an inner `jax.jit`), that
-        program keeps its logs, gated on the device, with a warning naming the event. A step
+        program keeps its logs, gated on the device, with a warning naming the event. A call
+        at a multiple of k runs a third: the step with its logs, those at the call's step
+        kept without a gate on the device (which would change how XLA compiles the rest of
+        the step), so that the model trains as without logging, bit for bit on a CPU. A step
         given as a JAX array is never read on the host (that could wait for the device), and
         with `first_nonfinite` the search looks at every event: then every call runs its
         logs, gated on the device. The written rows are the same either way.
@@ -349,9 +352,9 @@ class AbstractLogger(eqx.Module):
         _check_state(self, "jit", state)
         check_options("logger.jit", options, also=("donate", "policy", "keep", "step"))
         policy = with_options(policy, "logger.jit", **options)
-        spooled, jitted, skip, gate = _jitted_step(fun, policy, keep, donate, step)
+        spooled, jitted, skip, kept, gate = _jitted_step(fun, policy, keep, donate, step)
         feed = self._sink.feed(state)
-        return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, gate)
+        return build_wrapper(_LoggerJitted, self, spooled, jitted, state, feed, skip, kept, gate)
 
     def write(self, logs: LogDict, state: LoggerState | None = None) -> None:
         """Write `logs` (as returned by [`eqx_logs.spool`][]) to `state`'s run (default run 0).
@@ -443,14 +446,15 @@ def _check_fun(logger: AbstractLogger, method: str, fun: Any) -> None:
 
 def _jitted_step(
     fun: Callable, policy: Policy, keep: bool, donate: Donate, step: str | None
-) -> tuple[Any, Jit, Jit | None, Gate | None]:
-    """`logger.jit`'s programs: `(spooled, jitted, skip, gate)`, `fun` spooled, the compiled
-    step that runs it, and, with a `step` parameter and an interval (and no
-    `first_nonfinite`), the second compiled step without logs and the host's gate that
-    chooses between them (else None)."""
+) -> tuple[Any, Jit, Jit | None, Jit | None, Gate | None]:
+    """`logger.jit`'s programs: `(spooled, jitted, skip, kept, gate)`, `fun` spooled, the
+    compiled step that runs it (its logs gated on the device), and, with a `step` parameter
+    and an interval (and no `first_nonfinite`), the compiled steps for the steps the host
+    sees the interval skip (without logs) and keep (without a gate), and the host's gate
+    that chooses between them (else None)."""
     if step is None:
         spooled = _spool(fun, policy=policy, keep=keep)
-        return spooled, Jit(build(Packing, spooled), donate), None, None
+        return spooled, Jit(build(Packing, spooled), donate), None, None, None
     at = StepArg.of(fun, step, "logger.jit")
     if policy.watch is not None:
         # watched inside the call's step scope: the watched values carry the call's step,
@@ -461,13 +465,14 @@ def _jitted_step(
         fun, policy = check_with(fun), policy.replace(first_nonfinite=True)
     spooled = _spool(build_wrapper(AtStep, fun, at), policy=policy, keep=keep)
     packing, last = build(Packing, spooled), Last()
-    jitted, skip, gate = Jit(packing, donate, step=at, last=last), None, None
+    jitted, skip, kept, gate = Jit(packing, donate, step=at, last=last), None, None, None
     # (`first_nonfinite` looks at every event, those an interval skips too)
     if policy.interval > 1 and not policy.first_nonfinite:
         gate = Gate(at, policy.interval)
         skipping = build_wrapper(Skipping, packing, at, policy.interval)
         skip = Jit(skipping, donate, step=at, last=last)
-    return spooled, jitted, skip, gate
+        kept = Jit(build_wrapper(Keeping, packing, at), donate, step=at, last=last)
+    return spooled, jitted, skip, kept, gate
 
 
 def _check_state(logger: AbstractLogger, method: str, state: LoggerState) -> None:
@@ -563,9 +568,10 @@ class _LoggerJitted(AbstractWrapper):
     state: LoggerState
     feed: Callable[[Packed], None]  # hands the packed logs of a call to the writer thread
     # with `step=` and an interval: the step for the calls whose step `gate` says the
-    # interval skips, without its logs where the trace finds that none can be kept (see
-    # `_steps.py`)
+    # interval skips, without its logs where the trace finds that none can be kept, and the
+    # step for those it keeps, without the gate on the device (see `_steps.py`)
     skip: Jit | None
+    kept: Jit | None
     gate: Gate | None
 
     shown: ClassVar[str] = "jit"
@@ -580,13 +586,15 @@ class _LoggerJitted(AbstractWrapper):
             out, logs = self.spooled(*args, **kwargs)
             _write(self.logger, logs, self.state)
         else:
-            if self.gate is not None and self.gate.skips(args, kwargs):
+            kept = None if self.gate is None else self.gate.kept(args, kwargs)
+            if kept is False:
                 assert self.skip is not None
                 out, packed = self.skip(*args, **kwargs)
                 if packed is None:  # (every event at the call's step: none kept here)
                     return out
             else:
-                out, packed = self.jitted(*args, **kwargs)
+                assert kept is None or self.kept is not None
+                out, packed = (self.jitted if kept is None else self.kept)(*args, **kwargs)
             if one_process():
                 self.feed(packed)
             else:  # (arrays of many processes, maybe)

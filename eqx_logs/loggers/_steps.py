@@ -28,7 +28,7 @@ import equinox as eqx
 import numpy as np
 
 from .._nnx import unwrapped
-from .._scope import call_step, watching
+from .._scope import call_step, kept_at, watching
 from .._warn import warn_user
 
 _MISSING = object()
@@ -128,17 +128,21 @@ def host_int(value: Any) -> bool:
 
 
 class Gate:
-    """Which calls of a `logger.jit(..., step=..., interval=k)` run the program for skipped
-    steps (`Skipping`): those whose step is a Python int not a multiple of k."""
+    """Which program a call of `logger.jit(..., step=..., interval=k)` runs: where its step is
+    a Python int, the one for skipped steps (`Skipping`) if it is not a multiple of k, else
+    the one for kept steps (`Keeping`); where it is a JAX array, the step gated on the
+    device."""
 
     __slots__ = ("step", "interval")
 
     def __init__(self, step: StepArg, interval: int):
         self.step, self.interval = step, interval
 
-    def skips(self, args: tuple, kwargs: dict) -> bool:
+    def kept(self, args: tuple, kwargs: dict) -> bool | None:
+        """Whether the interval keeps the call's step: True or False where the host knows
+        the step (a Python int), None where only the device does (a JAX array)."""
         value = self.step.peek(args, kwargs)
-        return host_int(value) and value % self.interval != 0
+        return bool(value % self.interval == 0) if host_int(value) else None
 
 
 class AtStep(eqx.Module):
@@ -160,6 +164,25 @@ class AtStep(eqx.Module):
             raise self.step.missing("logger.jit")
         with call_step(value):  # (a plain `nnx.jit` inside: its function, see `_nnx`)
             return unwrapped(self.fun)(*args, **kwargs)
+
+
+class Keeping(eqx.Module):
+    """`fun` (the packed, spooled step) for a call whose step the interval keeps, as the host
+    read it: every event at the call's step is kept without a gate on the device
+    (`_scope.kept_at`), so the call computes what the step without logs computes, bit for
+    bit on a CPU (a gate on the device changed how XLA compiled the model's update: a run at
+    `interval=7` drifted from the unlogged loop's). Events at other steps are gated there."""
+
+    fun: Callable
+    step: StepArg = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fun.__wrapped__
+
+    def __call__(self, *args, **kwargs):
+        with kept_at(self.step.peek(args, kwargs)):
+            return self.fun(*args, **kwargs)
 
 
 class Skipping(eqx.Module):

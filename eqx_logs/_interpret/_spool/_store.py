@@ -23,7 +23,7 @@ import numpy as np
 from ... import _compat
 from ..._methods import method
 from ..._reduce import NeedsBound, Policy, cast_event
-from ..._scope import INTERVAL_STEP
+from ..._scope import INTERVAL_STEP, kept_step
 from .._gate import Interval
 from .._keys import KeyInfo, site_list
 from .._manual import ManualAxes
@@ -117,10 +117,17 @@ class Store:
             if mask is not True:
                 mask = self.manual.fit(info, mask)
             seen = state["seen"]
-            # now where all lanes have seen as many events, known; a step, on the device
-            now = not self.interval.by_step(steps) and known(seen) and mask is True
-            keeps = self.interval.keeps(self.interval.number(steps, seen), now)
-            valid = bool(np.all(keeps)) if now else jnp.logical_and(keeps, mask)
+            by_step = self.interval.by_step(steps)
+            if by_step and steps[INTERVAL_STEP] is kept_step():
+                # at the step of a call the host saw kept (`logger.jit`'s program for kept
+                # steps): no gate on the device, which would change how XLA compiles the
+                # call's other work (the model's update drifted from the unlogged step's)
+                valid = mask
+            else:
+                # now where all lanes have seen as many events, known; a step, on the device
+                now = not by_step and known(seen) and mask is True
+                keeps = self.interval.keeps(self.interval.number(steps, seen), now)
+                valid = bool(np.all(keeps)) if now else jnp.logical_and(keeps, mask)
             state["seen"] = plus(seen, mask)
         if not isinstance(valid, bool):
             valid = self.manual.fit(info, valid) if jnp.shape(valid) != batch else valid
