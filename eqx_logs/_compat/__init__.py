@@ -124,6 +124,7 @@ from ._registry import (
     scope_prefix as scope_prefix,
     user_axis_name as user_axis_name,
     wrap_batching as wrap_batching,
+    wrap_every_batching as wrap_every_batching,
 )
 from ._tangents import (
     instantiate as instantiate,

@@ -22,7 +22,6 @@ from typing import Any
 import jax.numpy as jnp
 
 from .. import _compat
-from .._compat._registry import wrap_every_batching
 from .._primitive import LogEffect, log_effect
 from .._scope import lanes_marked, marking
 
@@ -119,7 +118,7 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    wrap_every_batching(
+    _compat.wrap_every_batching(
         lambda prim, rule: rule if prim.name.startswith("eqx_logs") else _bracketing(prim, rule)
     )
 
