@@ -44,7 +44,8 @@ scope_prefix = _jax_config.string_or_object_state(
 
 # The keys an `eqx_logs.plant` plants while it traces (a frozenset; None when none traces): an
 # `instrument`ed submodule then sows its output under its path, for the plant to replace, and
-# a planted sow refuses to be differentiated there. In the jit key and the trace context like
+# a planted sow differentiated there carries its event's index to the derivative the plant
+# gives it (`_primitive.sow_tangent_p`). In the jit key and the trace context like
 # `logging_enabled`; None everywhere else, where instrumented models emit no sow.
 planting = _jax_config.string_or_object_state(
     "eqx_logs_planting",
