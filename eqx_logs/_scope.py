@@ -142,21 +142,22 @@ def call_step(step: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def kept_at(step: Any) -> Iterator[None]:
+def kept_at(step: Any, period: int) -> Iterator[None]:
     """Inside the block, `step` (the traced step argument of a `logger.jit` call) is a step
-    the interval keeps: the host read the call's step and chose the program for kept steps.
-    An event whose step is that very value is then kept without a gate on the device (see
-    `kept_step`)."""
-    saved, local.kept_step = getattr(local, "kept_step", None), step
+    that `interval=period` keeps: the host read the call's step and chose the program for
+    kept steps. An event whose step is that very value, under that interval, is then kept
+    without a gate on the device (see `kept_step`)."""
+    saved, local.kept_step = getattr(local, "kept_step", None), (step, period)
     try:
         yield
     finally:
         local.kept_step = saved
 
 
-def kept_step() -> Any:
-    """The step `kept_at` says the interval keeps, else None."""
-    return getattr(local, "kept_step", None)
+def kept_step(period: int) -> Any:
+    """The step `kept_at` says `interval=period` keeps, else None."""
+    kept = getattr(local, "kept_step", None)
+    return kept[0] if kept is not None and kept[1] == period else None
 
 
 def note_steps(steps: dict[str, Any], site: str) -> None:

@@ -471,7 +471,8 @@ def _jitted_step(
         gate = Gate(at, policy.interval)
         skipping = build_wrapper(Skipping, packing, at, policy.interval)
         skip = Jit(skipping, donate, step=at, last=last)
-        kept = Jit(build_wrapper(Keeping, packing, at), donate, step=at, last=last)
+        keeping = build_wrapper(Keeping, packing, at, policy.interval)
+        kept = Jit(keeping, donate, step=at, last=last)
     return spooled, jitted, skip, kept, gate
 
 

@@ -175,13 +175,14 @@ class Keeping(eqx.Module):
 
     fun: Callable
     step: StepArg = eqx.field(static=True)
+    interval: int = eqx.field(static=True)
 
     @property
     def __wrapped__(self):
         return self.fun.__wrapped__
 
     def __call__(self, *args, **kwargs):
-        with kept_at(self.step.peek(args, kwargs)):
+        with kept_at(self.step.peek(args, kwargs), self.interval):
             return self.fun(*args, **kwargs)
 
 

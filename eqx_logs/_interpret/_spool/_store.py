@@ -118,7 +118,7 @@ class Store:
                 mask = self.manual.fit(info, mask)
             seen = state["seen"]
             by_step = self.interval.by_step(steps)
-            if by_step and steps[INTERVAL_STEP] is kept_step():
+            if by_step and steps[INTERVAL_STEP] is kept_step(self.interval.period):
                 # at the step of a call the host saw kept (`logger.jit`'s program for kept
                 # steps): no gate on the device, which would change how XLA compiles the
                 # call's other work (the model's update drifted from the unlogged step's)
