@@ -30,7 +30,6 @@ Without flax imported there is no NNX object, and `carry` returns None at once.
 """
 
 import contextlib
-import operator
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -275,26 +274,29 @@ class Structure:
     """The NNX objects of a call, found once: the structure JAX's pytree flatten gives them
     (`treedef`, every NNX object met on the way, in order, and the leaves' types: equal at a
     later call, the objects are the same graph, in the same places, holding the same kinds
-    of arrays), Flax's graph of them (`graphdef`), its Variables (each once, in the graph's
-    order) and where each one's array is among the pytree leaves (`take`; None for objects
-    `Fast` leaves to `carry`, found so once)."""
+    of arrays), Flax's graph of them (`graphdef`), where its Variables (each once, in the
+    graph's order) and array attributes are among the objects (`places`) and where each one's
+    array is among the pytree leaves (`take`; None for objects `Fast` leaves to `carry`, found
+    so once). It holds no object itself, only their `id`s, compared while the objects of a
+    call are alive (a model the loop no longer uses is not kept alive, nor its arrays); the
+    Variables a call writes are its own objects at `places`."""
 
-    __slots__ = ("treedef", "objects", "types", "nodes", "graphdef", "variables", "take", "jit")
+    __slots__ = ("treedef", "ids", "types", "graphdef", "places", "take", "jit")
 
-    def __init__(self, treedef, objects, types, nodes, graphdef, variables, take):
-        self.treedef, self.objects, self.types = treedef, objects, types
-        self.nodes, self.graphdef = nodes, graphdef
-        self.variables, self.take = variables, take
+    def __init__(self, treedef, objects, types, graphdef, places, take):
+        self.treedef, self.ids, self.types = treedef, tuple(map(id, objects)), types
+        self.graphdef, self.places, self.take = graphdef, places, take
         self.jit: Any = None  # (the compiled step of `Flat(fun, graphdef)`, set by the caller)
 
     def matches(self, treedef: Any, objects: list, types: tuple) -> bool:
-        if len(objects) != len(self.objects) or types != self.types:
+        if len(objects) != len(self.ids) or types != self.types:
             return False
-        if not all(map(operator.is_, objects, self.objects)):
+        if tuple(map(id, objects)) != self.ids:
             return False
         try:
             return bool(treedef == self.treedef)
-        except Exception:  # (a static attribute that does not compare: an array's `==`)
+        except (TypeError, ValueError):  # (a static attribute that does not compare: `==`
+            # of an array)
             return False
 
 
@@ -325,9 +327,10 @@ class Fast:
     def __init__(self):
         self.last: Structure | None = None
 
-    def split(self, args: tuple) -> tuple[Structure, list, tuple] | None:
-        """`(structure, leaves, args)`: the objects' arrays in the graph's order and `args`
-        with holes in their place; None where no argument is an NNX object or where this
+    def split(self, args: tuple) -> "tuple[Structure, list, tuple, Targets] | None":
+        """`(structure, leaves, args, targets)`: the objects' arrays in the graph's order,
+        `args` with holes in their place, and what `write` writes into; None where no
+        argument is an NNX object or where this
         form does not apply (an object holding an array that is not a JAX array, a mutable
         array, a value that is not an array inside a Variable, a Flax object JAX does not
         flatten): `carry` does those."""
@@ -355,36 +358,58 @@ class Fast:
             self.last = structure
         if structure.take is None:  # (a structure `carry` carries)
             return None
-        return structure, [leaves[k] for k in structure.take], tuple(holed)
+        leaves = [leaves[k] for k in structure.take]
+        return structure, leaves, tuple(holed), Targets(tuple(roots), objects)
 
     def write(
-        self, structure: Structure, written: Written, where: str, donated: bool = False
+        self,
+        structure: Structure,
+        targets: "Targets",
+        written: Written,
+        where: str,
+        donated: bool = False,
     ) -> None:
-        """Write a call's `Written` into the objects, as `nnx.update` does (what the call
-        did not change too, where their arrays were `donated`: the objects hold them)."""
+        """Write a call's `Written` into its objects (`targets`), as `nnx.update` does (what
+        the call did not change too, where their arrays were `donated`: the objects hold
+        them)."""
         if not written.changed and not donated:
             return
         if written.same:
-            for variable, value in zip(structure.variables, written.leaves, strict=True):
-                variable.set_raw_value(value, _unsafe_bypass_check=True)
+            objects = targets.objects
+            for (k, key), value in zip(structure.places, written.leaves, strict=True):
+                if key is None:  # a Variable
+                    objects[k].set_raw_value(value, _unsafe_bypass_check=True)
+                else:  # an array attribute of an `nnx.Pytree`, as `nnx.update` sets it
+                    owner = objects[k]
+                    _flax().graph.get_node_impl(owner).set_key(owner, key, value)
             return
         nnx = _flax()  # (the next call finds its structure again, `Structure.matches`)
         rebuilt = nnx.graph.unflatten(written.graphdef, written.leaves)
-        nnx.update(structure.nodes, nnx.state(rebuilt))
-        if nnx.graphdef(structure.nodes) != written.graphdef:
+        nnx.update(targets.roots, nnx.state(rebuilt))
+        if nnx.graphdef(targets.roots) != written.graphdef:
             raise ValueError(_NOT_WRITTEN.format(where=where))
+
+
+class Targets:
+    """The objects of one call (`Fast.split`), which its new arrays are written into: the NNX
+    arguments (`roots`) and every NNX object met in their pytree flatten (`objects`)."""
+
+    __slots__ = ("roots", "objects")
+
+    def __init__(self, roots: tuple, objects: list):
+        self.roots, self.objects = roots, objects
 
 
 def _structure(roots: list, treedef: Any, objects: list, types: tuple, leaves: list):
     """The `Structure` of a call's objects (its `take` None where `Fast` does not apply)."""
-    found = _found(roots, leaves, types)
-    nodes = tuple(roots)
-    graphdef, variables, take = found if found is not None else (None, None, None)
-    return Structure(treedef, objects, types, nodes, graphdef, variables, take)
+    found = _found(roots, objects, leaves, types)
+    graphdef, places, take = found if found is not None else (None, None, None)
+    return Structure(treedef, objects, types, graphdef, places, take)
 
 
-def _found(roots: list, leaves: list, types: tuple) -> tuple[Any, list, list] | None:
-    """The graph of `roots`, its Variables (and array attributes) and where their arrays are
+def _found(roots: list, objects: list, leaves: list, types: tuple) -> tuple[Any, list, list] | None:
+    """The graph of `roots`, where its Variables (and the owners of its array attributes)
+    are among `objects` (`(index, None)`, `(index, attribute)`) and where their arrays are
     among `leaves`, or None where `Fast` does not apply."""
     nnx = _flax()
     if not all(issubclass(t, jax.Array) for t in types):
@@ -419,26 +444,29 @@ def _found(roots: list, leaves: list, types: tuple) -> tuple[Any, list, list] | 
     jtu.tree_flatten(roots, is_leaf=visit)
     if count != len(leaves):
         return None
-    variables, take = [], []
+    index: dict[int, int] = {}  # an object's id -> its first place among `objects`
+    for k, x in enumerate(objects):
+        index.setdefault(id(x), k)
+    places, take = [], []
     plains = iter(plain)
     for path, leaf in flat:
         if isinstance(leaf, nnx.Variable):
             k = at.get(id(leaf))
             if k is None or leaves[k] is not leaf.get_raw_value():
                 return None  # (a mutable array, a value that is not one array)
-            variables.append(leaf)
+            places.append((index[id(leaf)], None))  # (met in the flatten: `at`)
         else:  # an array attribute of an `nnx.Pytree`: written back into its owner
             k = next(plains, None)
             owner = _owner(nodes, path)
-            if k is None or owner is None or leaves[k] is not leaf:
+            if k is None or owner is None or leaves[k] is not leaf or id(owner) not in index:
                 return None
             if sum(x is leaf for x in leaves) != 1:  # (its place is not known by identity)
                 return None
-            variables.append(_Attribute(owner, path[-1]))
+            places.append((index[id(owner)], path[-1]))
         take.append(k)
     if next(plains, None) is not None:
         return None
-    return graphdef, variables, take
+    return graphdef, places, take
 
 
 def _owner(nodes: tuple, path: tuple) -> Any:
@@ -453,19 +481,6 @@ def _owner(nodes: tuple, path: tuple) -> Any:
     if not isinstance(owner, nnx.Pytree) or nnx.graph.get_node_impl(owner) is None:
         return None
     return owner
-
-
-class _Attribute:
-    """An array attribute of an `nnx.Pytree`, written as `nnx.update` writes it."""
-
-    __slots__ = ("owner", "key", "set_key")
-
-    def __init__(self, owner: Any, key: Any):
-        self.owner, self.key = owner, key
-        self.set_key = _flax().graph.get_node_impl(owner).set_key
-
-    def set_raw_value(self, value: Any, **_: Any) -> None:
-        self.set_key(self.owner, self.key, value)
 
 
 _NOT_WRITTEN = (

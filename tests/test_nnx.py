@@ -609,3 +609,39 @@ def test_logger_jit_carries_an_nnx_object_that_is_no_pytree(tmp_path):
             stepped(got, jnp.ones(()))
     assert float(got.total[...]) == float(want.total[...]) == 3.0
     assert [r["value"] for r in loggers.read_jsonl(tmp_path / "run.jsonl")] == [1.0, 2.0, 3.0]
+
+
+def test_logger_jit_keeps_no_model_alive(tmp_path):
+    """`logger.jit`'s structure of the NNX objects it carries holds their ids, not them: a
+    model the loop no longer uses is freed (with its arrays), and a new one passed to the
+    same step is found and trained."""
+    import gc
+    import weakref
+
+    x, y = jnp.ones((8, 4)), jnp.ones((8, 1))
+
+    def step(model, optimizer, i):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        el.log({"loss": loss})
+        optimizer.update(model, grads)
+
+    def make(seed):
+        model = nnx.Linear(4, 1, rngs=nnx.Rngs(seed))
+        return model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+    with loggers.JsonlLogger(tmp_path / "a.jsonl") as logger:
+        jitted = logger.jit(step, logger.init(), interval=2, step="i")
+        model, optimizer = make(0)
+        for i in range(3):
+            jitted(model, optimizer, i)
+        alive = weakref.ref(model)
+        del model, optimizer
+        gc.collect()
+        assert alive() is None
+        model, optimizer = make(1)
+        reference, reference_optimizer = make(1)
+        for i in range(3):
+            jitted(model, optimizer, i)
+            nnx.jit(step)(reference, reference_optimizer, jnp.int32(i))
+    np.testing.assert_allclose(model.kernel[...], reference.kernel[...], rtol=1e-6)
+    assert not np.array_equal(model.kernel[...], make(1)[0].kernel[...])

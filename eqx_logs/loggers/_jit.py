@@ -246,7 +246,7 @@ class Jit:
         split = self._fast.split(args)
         if split is None:  # (objects of a kind `Fast` leaves to `carry`)
             return self._carried(args, kwargs, "__call__")
-        structure, leaves, holed = split
+        structure, leaves, holed, targets = split
         jitted = structure.jit
         if jitted is None:
             jitted = structure.jit = self._graph(_nnx.Flat(self.fun, structure.graphdef))
@@ -254,7 +254,8 @@ class Jit:
             out, written = jitted(leaves, *holed, **kwargs)
         except _Nested:  # (an NNX object inside another argument: all carried together)
             return self._carried(args, kwargs, "__call__")
-        self._fast.write(structure, written, "logger.jit", self.donate in ("all", "warn"))
+        donated = self.donate in ("all", "warn")
+        self._fast.write(structure, targets, written, "logger.jit", donated)
         return out
 
     def _graph(self, fun: Any) -> "Jit":
