@@ -18,7 +18,7 @@ from ._primitive import current_prefix, tracing_context
 from ._reduce import Policy, PolicyOptions, check_options, document_options, with_options
 from ._retrace import OPEN, finish, note_compile
 from ._rules import RULES
-from ._watch._nonfinite import checked, lanes_marked
+from ._watch._nonfinite import bracketing_lanes, checked
 from ._watch._rewrite import watched
 from ._wrapper import AbstractWrapper, build_wrapper, carrying
 
@@ -163,7 +163,7 @@ def trace_filtered(fun, args, kwargs) -> tuple[Any, list[Any], Callable[[list[An
 
 
 def _spool_run(fun: Callable, policy: Policy, keep: bool, args, kwargs):
-    with lanes_marked(policy.first_nonfinite):  # (`"any"`: the lanes of a vmap inside)
+    with bracketing_lanes(policy.first_nonfinite):  # (`"any"`: the lanes of a vmap inside)
         closed, flat, rebuild = trace_filtered(fun, args, kwargs)
     if policy.watch is not None:
         closed = watched(closed, flat, policy.watch, "eqx_logs.spool")

@@ -392,12 +392,12 @@ class _Checked(AbstractWrapper):
         if not _compat.logging_enabled.value:  # no spool traces: nothing to check for
             return self.fun(*args, **kwargs)
         site = user_site()
-        with lanes_marked("any"):
+        with bracketing_lanes("any"):
             closed, flat, rebuild = trace_filtered(self.fun, args, kwargs)
         return rebuild(run_checked(closed, flat, site))
 
 
-def lanes_marked(first_nonfinite: Any) -> Any:
+def bracketing_lanes(first_nonfinite: Any) -> Any:
     """Around the trace of a function whose program `checked` checks (`first_nonfinite` is
     `"any"`): the batching rules bracket what they emit, so that each check under a vmap
     inside knows its lanes (`_lanes.py`); else nothing."""
