@@ -166,40 +166,37 @@ class AtStep(eqx.Module):
             return unwrapped(self.fun)(*args, **kwargs)
 
 
-class Keeping(eqx.Module):
+class _AtInterval(eqx.Module):
+    """`fun` (the packed, spooled step) compiled for some of the calls of a `logger.jit(...,
+    step=..., interval=k)`: those whose step the host reads (`Gate`)."""
+
+    fun: Callable
+    step: StepArg = eqx.field(static=True)
+    interval: int = eqx.field(static=True)
+
+    @property
+    def __wrapped__(self):
+        return self.fun.__wrapped__
+
+
+class Keeping(_AtInterval):
     """`fun` (the packed, spooled step) for a call whose step the interval keeps, as the host
     read it: every event at the call's step is kept without a gate on the device
     (`_scope.kept_at`), so the call computes what the step without logs computes, bit for
     bit on a CPU (a gate on the device changed how XLA compiled the model's update: a run at
     `interval=7` drifted from the unlogged loop's). Events at other steps are gated there."""
 
-    fun: Callable
-    step: StepArg = eqx.field(static=True)
-    interval: int = eqx.field(static=True)
-
-    @property
-    def __wrapped__(self):
-        return self.fun.__wrapped__
-
     def __call__(self, *args, **kwargs):
         with kept_at(self.step.peek(args, kwargs), self.interval):
             return self.fun(*args, **kwargs)
 
 
-class Skipping(eqx.Module):
+class Skipping(_AtInterval):
     """`fun` (the packed, spooled step) for a call whose step the interval skips: its output
     alone, where every event it logs carries the call's step (so none is kept: the logs'
     computation is dead code, which XLA removes), else its output and its logs, gated on the
     device (with a warning naming the events at other steps). Decided at each trace, so for
     each compiled program (a new static argument, a new shape: a new trace)."""
-
-    fun: Callable
-    step: StepArg = eqx.field(static=True)
-    interval: int = eqx.field(static=True)
-
-    @property
-    def __wrapped__(self):
-        return self.fun.__wrapped__
 
     def __call__(self, *args, **kwargs):
         with watching() as watch:
