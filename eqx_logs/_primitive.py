@@ -489,20 +489,25 @@ def _sow_jvp(primals, tangents, *, key, nbatch, **params):
     return [*outs, index], [*out_tangents, _compat.zero_tangent(index)]
 
 
-def _sow_batch(axis_data, args, dims, *, nbatch, **params):
-    # a value that no lane changes stays unbatched, as its log does (`_log_batch`): the primal
-    # of a `jax.jacfwd`, a vmap over tangents only
-    if all(d is _compat.not_mapped for d in dims):
-        outs = sow_p.bind(*args, nbatch=nbatch, **params)
-        return outs, [_compat.not_mapped] * len(outs)
-    size = _compat.axis_size_and_name(axis_data)[0]
-    moved = [_leading(x, d, size) for x, d in zip(args, dims)]
-    outs = sow_p.bind(*moved, nbatch=nbatch + 1, **params)
-    return outs, [0] * len(outs)
+def _batch_leading(prim: _compat.Primitive):
+    """The batching rule of `prim` (the sow, its tangent): the batch axis moved first and
+    counted in `nbatch`. A value that no lane changes stays unbatched, as its log does
+    (`_log_batch`): the primal of a `jax.jacfwd`, a vmap over tangents only."""
+
+    def rule(axis_data, args, dims, *, nbatch, **params):
+        if all(d is _compat.not_mapped for d in dims):
+            outs = prim.bind(*args, nbatch=nbatch, **params)
+            return outs, [_compat.not_mapped] * len(outs)
+        size = _compat.axis_size_and_name(axis_data)[0]
+        moved = [_leading(x, d, size) for x, d in zip(args, dims)]
+        outs = prim.bind(*moved, nbatch=nbatch + 1, **params)
+        return outs, [0] * len(outs)
+
+    return rule
 
 
 _compat.def_jvp(sow_p, _sow_jvp)
-_compat.def_batching_with_axis(sow_p, _sow_batch)
+_compat.def_batching_with_axis(sow_p, _batch_leading(sow_p))
 _compat.def_lowering(sow_p, _sow_identity)
 
 
@@ -537,19 +542,9 @@ def _tangent_transpose(cts, index, *args, ins, outs, transposed, **params):
     return [None] * (1 + len(xs)) + list(back)
 
 
-def _tangent_batch(axis_data, args, dims, *, nbatch, **params):
-    if all(d is _compat.not_mapped for d in dims):
-        outs = sow_tangent_p.bind(*args, nbatch=nbatch, **params)
-        return outs, [_compat.not_mapped] * len(outs)
-    size = _compat.axis_size_and_name(axis_data)[0]
-    moved = [_leading(x, d, size) for x, d in zip(args, dims)]
-    outs = sow_tangent_p.bind(*moved, nbatch=nbatch + 1, **params)
-    return outs, [0] * len(outs)
-
-
 _compat.def_jvp(sow_tangent_p, _tangent_jvp)
 _compat.def_transpose(sow_tangent_p, _tangent_transpose)
-_compat.def_batching_with_axis(sow_tangent_p, _tangent_batch)
+_compat.def_batching_with_axis(sow_tangent_p, _batch_leading(sow_tangent_p))
 _compat.def_lowering(sow_tangent_p, _tangent_identity)
 
 # The tag of the events of `plant_point`: a plant takes them; a spool or tap never selects

@@ -253,15 +253,7 @@ _contextlib_file = contextlib.__file__
 def call_site() -> str:
     """The user's file:line (function) that called into eqx_logs (a `with` statement, for
     `scope`)."""
-    frame = sys._getframe(1)
-    while frame is not None and (
-        frame.f_code.co_filename == _contextlib_file
-        or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
-    ):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown location>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
+    return _first_outside(sys._getframe(1), ())
 
 
 # The machinery between the user's call and eqx_logs: a spooled function's program is traced
@@ -274,11 +266,16 @@ def user_site() -> str:
     Equinox's or Flax's machinery: the line that called a spool or a jitted step (where
     `call_site` names the first frame outside eqx_logs, a `log` call's line, which may be in
     a library)."""
-    frame = sys._getframe(1)
+    return _first_outside(sys._getframe(1), _MACHINERY)
+
+
+def _first_outside(frame: Any, modules: tuple[str, ...]) -> str:
+    """file:line (function) of the first frame from `frame` outwards that is neither
+    eqx_logs', contextlib's nor in one of `modules` (prefixes of module names)."""
     while frame is not None and (
         frame.f_code.co_filename == _contextlib_file
         or os.path.dirname(os.path.abspath(frame.f_code.co_filename)).startswith(_package_dir)
-        or frame.f_globals.get("__name__", "").startswith(_MACHINERY)
+        or (modules and frame.f_globals.get("__name__", "").startswith(modules))
     ):
         frame = frame.f_back
     if frame is None:
