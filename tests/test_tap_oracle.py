@@ -704,6 +704,35 @@ def test_checkpointed_events_fire_once(interval, where):
     assert [float(logs["x"]) for logs, _ in rec.stream()] == [0.5]
 
 
+def _checkpointed_loop_in_a_loop(x):
+    def inner(c):
+        def body(i, c):
+            eqx_logs.log("a", c)  # loop-invariant: the loops never change their carry
+            return c
+
+        return lax.fori_loop(0, 1, body, c)
+
+    return lax.fori_loop(0, 1, lambda i, c: jax.checkpoint(inner)(c), x)
+
+
+@pytest.mark.parametrize("where", ["tap", "tap_of_grad", "grad_of_tap"])
+def test_a_checkpointed_loop_in_a_loop_fires_under_grad(where):
+    """The program `test_grad_fires_each_event_once` shrank to in CI (its seed on stop 56).
+    (The bug, jax 0.10: under grad JAX hoisted the inner loop out of the outer one as a
+    `closed_call` holding the log and nothing else, and `JaxprTrace.process_call` staged that
+    call without an effect handle: the event was dropped, no error.)"""
+    rec = Recorder()
+    if where == "tap_of_grad":
+        fun = eqx_logs.tap(jax.grad(_checkpointed_loop_in_a_loop), callback=rec)
+    else:
+        fun = eqx_logs.tap(_checkpointed_loop_in_a_loop, callback=rec)
+        fun = jax.grad(fun) if where == "grad_of_tap" else fun
+    fun(jnp.float32(0.5))
+    assert [float(logs["a"]) for logs, _ in rec.stream()] == [0.5]
+    _, logs = eqx_logs.spool(jax.grad(_checkpointed_loop_in_a_loop))(jnp.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(logs["a"]), [0.5])
+
+
 # ----------------------------------------------------------------------------------------
 # 3. and 4. vmap, with predicates that read the batched state
 # ----------------------------------------------------------------------------------------
