@@ -3,6 +3,8 @@
 from ._instrument import instrument as instrument
 from ._log import log as log, log_grad as log_grad
 from ._logdict import LogDict as LogDict, NonfiniteEvent as NonfiniteEvent
+from ._noise import log_noise_scale as log_noise_scale
+from ._per_example import value_grad_and_norms as value_grad_and_norms
 from ._plant import at as at, plant as plant, sow as sow
 from ._primitive import LostEventsWarning as LostEventsWarning
 from ._reduce import (
@@ -17,11 +19,14 @@ from ._reduce import (
     Max as Max,
     Mean as Mean,
     Min as Min,
+    NoiseScale as NoiseScale,
     Policy as Policy,
+    Quantiles as Quantiles,
     Sample as Sample,
     Stack as Stack,
     Std as Std,
     Sum as Sum,
+    TopK as TopK,
     Var as Var,
     Window as Window,
 )

@@ -10,6 +10,7 @@ from ._buffers import (
 )
 from ._composites import Fanout as Fanout, Window as Window
 from ._names import DROP as DROP, as_reduction as as_reduction
+from ._noise_scale import NoiseScale as NoiseScale
 from ._options import (
     DEFAULTS as DEFAULTS,
     OPTIONS as OPTIONS,
@@ -25,6 +26,7 @@ from ._policy import (
     with_options as with_options,
     without_watch as without_watch,
 )
+from ._quantiles import Quantiles as Quantiles
 from ._reductions import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,
@@ -41,3 +43,4 @@ from ._reductions import (
     nan_or_zero as nan_or_zero,
     select_valid as select_valid,
 )
+from ._topk import TopK as TopK

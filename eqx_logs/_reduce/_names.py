@@ -9,7 +9,10 @@ from typing import Any
 
 from .._spelling import closest
 from ._buffers import Collect, Stack
+from ._noise_scale import NoiseScale
+from ._quantiles import Quantiles
 from ._reductions import AbstractReduction, Count, First, Last, Max, Mean, Min, Std, Sum, Var
+from ._topk import TopK
 
 _NAMES = {
     "stack": Stack,
@@ -25,6 +28,9 @@ _NAMES = {
     "std": Std,
     "count": Count,
     "collect": Collect,
+    "quantiles": Quantiles,
+    "topk": TopK,
+    "noise_scale": NoiseScale,
 }
 DROP = "drop"
 
