@@ -128,6 +128,37 @@ def _natural(text: str) -> list[object]:
     return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", text)]
 
 
+# a quantile's name in a reduction's output: "p" + f"{100 * q:g}" (`eqx_logs.Quantiles`)
+QUANTILE = re.compile(r"p(\d+(\.\d*)?|\.\d+)(e[+-]?\d+)?")
+
+
+def quantile(name: str) -> float | None:
+    """The quantile a name such as `p50` or `p99.9` stands for (0.5, 0.999), else None."""
+    return float(name[1:]) / 100 if QUANTILE.fullmatch(name) else None
+
+
+def expand(key: str, value: object) -> list[tuple[str, object]]:
+    """A record's `(key, value)` pairs: a dict holding quantiles (what `eqx_logs.Quantiles`
+    gives, `{"p50": ..., "p90": ...}`) is one key per entry, `loss/p50` and `loss/p90` (as the
+    backends that take scalars only write it); any other value is the key itself."""
+    if isinstance(value, dict) and any(quantile(str(name)) is not None for name in value):
+        return [(f"{key}/{name}", v) for name, v in value.items()]
+    return [(key, value)]
+
+
+def _matching(file: str, keys: Sequence[str]):
+    """The records of `file` (`expand`ed) whose key matches one of `keys`, or whose key before
+    expanding does (`-k loss` plots `loss/p50`)."""
+    for record in read_jsonl(file):
+        name = record.get("key")
+        if not isinstance(name, str):
+            continue
+        whole = any(key_matches(name, k) for k in keys)
+        for key, value in expand(name, record.get("value")):
+            if whole or any(key_matches(key, k) for k in keys):
+                yield {**record, "key": key, "value": value}
+
+
 def read_lines(
     files: Sequence[str], keys: Sequence[str] = ("*",), step: str = "step"
 ) -> tuple[Lines, set[str], set[str]]:
@@ -152,10 +183,8 @@ def read_lines(
         scalars: dict[tuple[str, str], list[tuple[float | None, float, dict]]] = {}
         # (key, run, lane) -> [(x, y)]: y a number, or a vector's numbers (lane `ELEMENTS`)
         devices: dict[tuple[str, str, str], list[tuple[float | None, float | list[float]]]] = {}
-        for record in read_jsonl(file):
-            key = record.get("key")
-            if not isinstance(key, str) or not any(key_matches(key, k) for k in keys):
-                continue
+        for record in _matching(file, keys):
+            key = record["key"]
             run = record.get("run", 0)
             label = " ".join(p for p in (names[file], f"run {run}" if run else "") if p)
             label = label or "run 0"
@@ -244,9 +273,8 @@ def no_match(files: Sequence[str], keys: Sequence[str], step: str = "step") -> s
     pattern, and a `prefix/*` pattern)."""
     scalar, other = set(), set()
     for f in files:
-        for r in read_jsonl(f):
-            if isinstance(r.get("key"), str):  # (scalars, a value per device, vectors)
-                (scalar if _floats(r.get("value")) else other).add(r["key"])
+        for r in _matching(f, ["*"]):  # (scalars, a value per device, vectors, quantiles)
+            (scalar if _floats(r["value"]) else other).add(r["key"])
     asked = " ".join(f"-k {shlex.quote(k)}" for k in keys)
     where = f"{len(files)} file(s)" if len(files) > 1 else files[0]
     if not scalar:
@@ -378,6 +406,24 @@ def _span(xs: Sequence[float]) -> tuple[float, float] | None:
     return lo - pad, hi + pad
 
 
+def bands(lines: Lines) -> dict[str, list[tuple[float, str]]]:
+    """The keys drawn as a band: `{panel: [(q, key), ...]}`, q ascending, for each key whose
+    sibling keys are two or more quantiles (`loss/p10`, `loss/p50`, `loss/p90`, as
+    `eqx_logs.Quantiles` gives them) of one value each per run (no devices, no vectors). The
+    panel is named by their parent key (`loss`; `loss (quantiles)` where `loss` is a key too)."""
+    found: dict[str, list[tuple[float, str]]] = {}
+    for key, by_line in lines.items():
+        parent, _, name = key.rpartition("/")
+        q = quantile(name)
+        if parent and q is not None and all(lane == "" for _, lane in by_line):
+            found.setdefault(parent, []).append((q, key))
+    return {
+        (parent if parent not in lines else f"{parent} (quantiles)"): sorted(quantiles)
+        for parent, quantiles in found.items()
+        if len(quantiles) >= 2
+    }
+
+
 def figure(
     lines: Lines,
     title: str | None = None,
@@ -406,7 +452,9 @@ def figure(
 
     runs = list(dict.fromkeys(run for by_line in lines.values() for run, _ in by_line))
     colors = _run_colors(runs)
-    rows = arrange(list(lines))
+    groups = bands(lines)
+    member = {key: band for band, quantiles in groups.items() for _, key in quantiles}
+    rows = arrange(list(dict.fromkeys(member.get(key, key) for key in lines)))
     cols = len(rows[0])
     # the steps of every run, for every panel plotted against them
     steps = [
@@ -429,7 +477,12 @@ def figure(
                     continue
                 # the step under the lowest panel of a column only
                 below = r + 1 == len(rows) or rows[r + 1][c] is None
-                panel = _Panel(key, lines[key], colors, len(runs) > 1, step, key in unstepped)
+                if key in groups:
+                    quantiles = [(q, k, lines[k]) for q, k in groups[key]]
+                    flat = any(k in unstepped for _, k in groups[key])
+                    panel = _Band(key, quantiles, colors, len(runs) > 1, step, flat)
+                else:
+                    panel = _Panel(key, lines[key], colors, len(runs) > 1, step, key in unstepped)
                 panel.draw(axes[r, c], below, logy, None if key in unstepped else span)
         if len(runs) > 1:  # one legend for every panel, the title above its entries
             handles = [Line2D([], [], color=colors[run], linewidth=2) for run in runs]
@@ -489,6 +542,24 @@ class _Panel:
         by_run: dict[str, list[tuple[str, list[float], list]]] = {}
         for (run, lane), (xs_, ys_) in self.by_line.items():
             by_run.setdefault(run, []).append((lane, xs_, ys_))
+        note = self._draw_runs(ax, by_run)
+        if note:
+            kw = dict(ha="right", va="top", transform=ax.transAxes, fontsize=7, color="0.35")
+            ax.text(0.98, 0.96, note, **kw)
+        if self.key.rsplit("/", 1)[-1] == "nonfinite":  # a count: 0, 1, ..., not 0.02
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            if np.nanmax(np.abs(ys[finite])) == 0:
+                ax.set_ylim(-0.1, 1)
+        if logy:
+            ax.set_yscale("log" if (ys[finite] > 0).all() else "symlog")
+        ax.set_xlim(span or _span(xs))
+        if all(float(x).is_integer() for x in xs if math.isfinite(x)):  # steps 0, 1, 2: no 0.5
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        self._first_nonfinite(ax, by_run)
+        ax.grid(alpha=0.3)
+
+    def _draw_runs(self, ax, by_run) -> str | None:
+        """Draw each run's lines; returns the panel's note (what a shaded range is), if any."""
         notes = {}  # "devices"/"values": the numbers of them drawn as a mean and range
         for run, lanes in by_run.items():
             for lane in [lane for lane in lanes if lane[0] == ELEMENTS]:
@@ -511,20 +582,8 @@ class _Panel:
             for what, ns in sorted(notes.items()):
                 said.append(f"{min(ns)}" if len(ns) == 1 else f"{min(ns)} to {max(ns)}")
                 said[-1] += f" {what}"
-            note = f"mean of {' / '.join(said)}, min to max shaded"
-            kw = dict(ha="right", va="top", transform=ax.transAxes, fontsize=7, color="0.35")
-            ax.text(0.98, 0.96, note, **kw)
-        if self.key.rsplit("/", 1)[-1] == "nonfinite":  # a count: 0, 1, ..., not 0.02
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-            if np.nanmax(np.abs(ys[finite])) == 0:
-                ax.set_ylim(-0.1, 1)
-        if logy:
-            ax.set_yscale("log" if (ys[finite] > 0).all() else "symlog")
-        ax.set_xlim(span or _span(xs))
-        if all(float(x).is_integer() for x in xs if math.isfinite(x)):  # steps 0, 1, 2: no 0.5
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        self._first_nonfinite(ax, by_run)
-        ax.grid(alpha=0.3)
+            return f"mean of {' / '.join(said)}, min to max shaded"
+        return None
 
     def _first_nonfinite(self, ax, by_run) -> None:
         """A dashed line at the first step of each run's non-finite values (`_first_nonfinite`;
@@ -590,6 +649,50 @@ class _Panel:
         ax.fill_between(xs, lo, hi, color=color, alpha=0.2, linewidth=0, gid=run)
         self._line(ax, xs, mean, color, run)
         return max(len(v) for v in at.values())
+
+
+class _Band(_Panel):
+    """A panel of quantiles (`bands`): each run's median (p50, or the quantile nearest 0.5) a
+    line, the range between its outermost quantiles shaded, and each ring inside it shaded
+    again, lighter, over it (p25 to p75 within p10 to p90; p50 to p90 within p50 to p99 where
+    the quantiles are 0.5, 0.9, 0.99), so that the middle of the distribution reads darker and
+    every quantile bounds a shade."""
+
+    def __init__(self, key, quantiles, colors, several_runs, step, unstepped):
+        # each quantile a lane of the run (for the checks of NaN, the x span, the marks)
+        by_line = {(run, k): xy for _, k, by_line in quantiles for (run, _), xy in by_line.items()}
+        super().__init__(key, by_line, colors, several_runs, step, unstepped)
+        self.quantiles = [(q, k) for q, k, _ in quantiles]
+        qs = [q for q, _ in self.quantiles]
+        n = len(qs)
+        self.middle = m = min(range(n), key=lambda i: (abs(qs[i] - 0.5), -qs[i]))
+        # the rings, outermost first: (lower, upper) indices, the median where one side ends
+        self.rings = [
+            (i if i < m else m, n - 1 - i if n - 1 - i > m else m) for i in range(max(m, n - 1 - m))
+        ]
+
+    def _draw_runs(self, ax, by_run) -> str | None:
+        import numpy as np
+
+        for run, lanes in by_run.items():
+            at = {k: dict(zip(xs, ys)) for k, xs, ys in lanes}
+            color = self.colors[run]
+            for ring, (lo, hi) in enumerate(self.rings):
+                lo, hi = self.quantiles[lo][1], self.quantiles[hi][1]
+                if lo not in at or hi not in at:
+                    continue
+                xs = sorted(set(at[lo]) & set(at[hi]))
+                lows = np.array([at[lo][x] for x in xs], dtype=float)
+                highs = np.array([at[hi][x] for x in xs], dtype=float)
+                alpha = 0.2 if ring == 0 else 0.14
+                ax.fill_between(xs, lows, highs, color=color, alpha=alpha, linewidth=0, gid=run)
+            median = self.quantiles[self.middle][1]
+            if median in at:
+                xs = sorted(at[median])
+                self._line(ax, xs, [at[median][x] for x in xs], color, run)
+        names = [k.rsplit("/", 1)[-1] for _, k in self.quantiles]
+        rings = ", ".join(f"{names[lo]} to {names[hi]}" for lo, hi in self.rings)
+        return f"{names[self.middle]}; {rings} shaded"
 
 
 def plot(
