@@ -169,15 +169,13 @@ class NoiseScale(AbstractReduction):
         return {**ema, "lanes": lanes}
 
     def merge(self, a, b):
-        if self.lanes == "after":
+        if self.lanes == "after":  # ("lanes" only says whether a state has events)
             ema = EMA.merge(self._ema(), _ema_part(a), _ema_part(b))
             return {**ema, "lanes": jnp.maximum(a["lanes"], b["lanes"])}
         # "mean": each lane with events weighs the same (a merged state weighs its lanes)
         la, lb = a["lanes"], b["lanes"]
         lanes = la + lb
-        share = jnp.where(lanes > 0, lb, 0).astype(jnp.float32) / jnp.maximum(lanes, 1).astype(
-            jnp.float32
-        )
+        share = lb.astype(jnp.float32) / jnp.maximum(lanes, 1).astype(jnp.float32)
 
         def mean(x, y):
             s = share.astype(x.dtype)
