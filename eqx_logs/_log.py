@@ -4,12 +4,18 @@ the `log` primitive (`_primitive.py`) under the enclosing scopes."""
 import dataclasses
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
 from jaxtyping import ArrayLike, PyTree
 
 from . import _compat
 from ._log_checks import check_reduce, check_step, check_value, normalise_tags
 from ._primitive import bind, grad_tap, warn_dropped
-from ._scope import call_site, current_prefix, local
+from ._reduce import as_reduction
+from ._reduce._topk import OUTPUT_FIELDS, Ranked, takes_ids
+from ._scope import call_site, current_prefix, current_steps, local
 
 
 class _Missing:
@@ -32,6 +38,7 @@ def log(
     *,
     tags: str | tuple[str, ...] = (),
     reduce: Any = None,
+    ids: ArrayLike | None = None,
     **steps: int | ArrayLike,
 ) -> None:
     """Log values from anywhere: a model, a scan body, a cond branch, a vmapped function.
@@ -48,6 +55,12 @@ def log(
     - `reduce`: the reduction for these keys, a name (`"mean"`) or a reduction; used unless a
         spool's Policy rule matches the key. Two sites naming different reductions for one key
         is an error.
+    - `ids`: for a reduction that ranks elements ([`eqx_logs.TopK`][]): an integer array of
+        the value's shape (of each leaf's, and of each key's when `data` has several), one id
+        per element, such as the examples' indices in the dataset; TopK reports the id, and
+        this call's steps, beside each element it keeps. Any other reduction of these keys
+        (named here or chosen by a spool's Policy) is an error. `ids` is reserved: it is never
+        a step name.
     - `**steps`: named integer scalars recorded beside every key of this call, for example
         `step=i, episode=e`; read back as `logs.step[key]`, `logs.episode[key]`.
 
@@ -100,10 +113,64 @@ def log(
         check_value(key, val, site, empty=True)
         items[f"{prefix}/{key}" if prefix else key] = val
     step_vals = {name: check_step(name, s, site) for name, s in steps.items()}
+    ranks = reduce is not None and takes_ids(as_reduction(reduce))
+    if ids is not None or ranks:
+        items = _ranked(items, ids, step_vals, reduce, ranks, site)
     if not _compat.logging_enabled.value:
         warn_dropped(site, getattr(local, "rule", None))  # a custom rule's, traced too late
         return None
     bind(items, step_vals, tags=tags, reduce=reduce, site=site)
+
+
+def _ranked(
+    items: dict[str, Any], ids: Any, steps: dict[str, Any], reduce: Any, ranks: bool, site: str
+) -> dict[str, Ranked]:
+    """`items` packed for a reduction that takes ids (`_reduce/_topk.py`): each value with
+    `ids` (checked against each of its leaves) and the steps of this call and its scopes."""
+    keys = ", ".join(map(repr, items))
+    if reduce is not None and not ranks:
+        raise ValueError(
+            f"eqx_logs.log at {site}: `ids=` is given for {keys}, with reduce={reduce!r}, "
+            "which does not take ids (it would reduce them as values). Use "
+            "`reduce=eqx_logs.TopK(k)`, or log without `ids=`. (`ids` is reserved by `log`: "
+            "it is never a step name.)"
+        )
+    steps = {**current_steps(), **steps}
+    clash = sorted(set(steps) & set(OUTPUT_FIELDS))
+    if clash:
+        raise ValueError(
+            f"eqx_logs.log at {site}: the step {clash[0]!r} of {keys} clashes with the "
+            f"field of that name in TopK's output ({', '.join(OUTPUT_FIELDS)}); rename the "
+            "step."
+        )
+    if ids is not None:
+        ok = isinstance(ids, jax.Array | np.ndarray | np.generic | int | list | tuple)
+        ids = jnp.asarray(ids) if ok and not isinstance(ids, bool) else None
+        if ids is None or not jnp.issubdtype(ids.dtype, jnp.integer):
+            raise TypeError(
+                f"eqx_logs.log at {site}: `ids=` for {keys} must be an integer array (one id "
+                "per element of the value, e.g. `jnp.arange(batch)`), got "
+                f"{getattr(ids, 'dtype', type(ids).__name__)}."
+            )
+    out = {}
+    for key, value in items.items():
+        leaves = jtu.tree_leaves(value)
+        if ids is not None:
+            if not leaves:
+                raise ValueError(
+                    f"eqx_logs.log at {site}: key {key!r} has no value (`()`), so `ids=` has "
+                    "no elements to name; log a value with its ids."
+                )
+            for leaf in leaves:
+                if jnp.shape(leaf) != ids.shape:
+                    raise ValueError(
+                        f"eqx_logs.log at {site}: key {key!r} has a value of shape "
+                        f"{jnp.shape(leaf)}, but `ids=` has shape {ids.shape}; `ids` must "
+                        f"have the shape of the value, {jnp.shape(leaf)} (one id per element), "
+                        "for every key and leaf of the call."
+                    )
+        out[key] = Ranked(value=value, ids=ids, steps=steps)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

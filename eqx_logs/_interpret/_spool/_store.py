@@ -23,6 +23,7 @@ import numpy as np
 from ... import _compat
 from ..._methods import method
 from ..._reduce import NeedsBound, Policy, cast_event
+from ..._reduce._topk import check_ranked
 from ..._scope import INTERVAL_STEP, kept_step
 from .._gate import Interval
 from .._keys import KeyInfo, site_list
@@ -68,6 +69,8 @@ class Store:
             info = self.info[key]
             reduction = self.plan.reduction_of(key, info.site_reduce(key))
             if not isinstance(reduction, str):  # "drop"
+                # a value logged with `ids=` only for a reduction that takes them
+                check_ranked(key, info.lane_struct(), reduction, site_list(info.sites))
                 self.reductions[key] = reduction
                 step = method(reduction, "step_reduction")()
                 value = {"value": reduction} if info.leaves else {}  # (none: a count only)
