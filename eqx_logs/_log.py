@@ -13,8 +13,7 @@ from jaxtyping import ArrayLike, PyTree
 from . import _compat
 from ._log_checks import check_reduce, check_step, check_value, normalise_tags
 from ._primitive import bind, grad_tap, warn_dropped
-from ._reduce import as_reduction
-from ._reduce._topk import OUTPUT_FIELDS, Ranked, takes_ids
+from ._reduce import RANKED_FIELDS, Ranked, as_reduction, takes_ids
 from ._scope import call_site, current_prefix, current_steps, local
 
 
@@ -136,11 +135,11 @@ def _ranked(
             "it is never a step name.)"
         )
     steps = {**current_steps(), **steps}
-    clash = sorted(set(steps) & set(OUTPUT_FIELDS))
+    clash = sorted(set(steps) & set(RANKED_FIELDS))
     if clash:
         raise ValueError(
             f"eqx_logs.log at {site}: the step {clash[0]!r} of {keys} clashes with the "
-            f"field of that name in TopK's output ({', '.join(OUTPUT_FIELDS)}); rename the "
+            f"field of that name in TopK's output ({', '.join(RANKED_FIELDS)}); rename the "
             "step."
         )
     if ids is not None:

@@ -43,4 +43,10 @@ from ._reductions import (
     nan_or_zero as nan_or_zero,
     select_valid as select_valid,
 )
-from ._topk import TopK as TopK
+from ._topk import (
+    RANKED_FIELDS as RANKED_FIELDS,
+    Ranked as Ranked,
+    TopK as TopK,
+    check_ranked as check_ranked,
+    takes_ids as takes_ids,
+)

@@ -48,7 +48,7 @@ from .._checks import check_count
 from ._reductions import AbstractReduction, select_valid
 
 #: The fields of each leaf's TopK output; a step of one of these names would clash with them.
-OUTPUT_FIELDS = ("value", "id", "event")
+RANKED_FIELDS = ("value", "id", "event")
 
 
 class Ranked(eqx.Module):
@@ -229,11 +229,11 @@ class TopK(AbstractReduction):
     def init(self, struct, max_events):
         del max_events
         value, ids, steps = _parts(struct)
-        clash = sorted(set(steps) & set(OUTPUT_FIELDS))
+        clash = sorted(set(steps) & set(RANKED_FIELDS))
         if clash:
             raise ValueError(
                 f"TopK: a step named {clash[0]!r} clashes with TopK's output field of that "
-                f"name ({', '.join(OUTPUT_FIELDS)}); rename the step."
+                f"name ({', '.join(RANKED_FIELDS)}); rename the step."
             )
         id_dtype = np.dtype(np.int32) if ids is None else np.dtype(ids.dtype)
 

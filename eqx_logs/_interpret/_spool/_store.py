@@ -22,8 +22,7 @@ import numpy as np
 
 from ... import _compat
 from ..._methods import method
-from ..._reduce import NeedsBound, Policy, cast_event
-from ..._reduce._topk import check_ranked
+from ..._reduce import NeedsBound, Policy, cast_event, check_ranked
 from ..._scope import INTERVAL_STEP, kept_step
 from .._gate import Interval
 from .._keys import KeyInfo, site_list
