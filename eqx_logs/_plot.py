@@ -137,11 +137,19 @@ def quantile(name: str) -> float | None:
     return float(name[1:]) / 100 if QUANTILE.fullmatch(name) else None
 
 
+# the output of `eqx_logs.NoiseScale`, a dict of these scalars
+NOISE_SCALE = frozenset({"b_simple", "trace", "grad_sq"})
+
+
 def expand(key: str, value: object) -> list[tuple[str, object]]:
     """A record's `(key, value)` pairs: a dict holding quantiles (what `eqx_logs.Quantiles`
-    gives, `{"p50": ..., "p90": ...}`) is one key per entry, `loss/p50` and `loss/p90` (as the
-    backends that take scalars only write it); any other value is the key itself."""
-    if isinstance(value, dict) and any(quantile(str(name)) is not None for name in value):
+    gives, `{"p50": ..., "p90": ...}`) or a noise scale's terms (`eqx_logs.NoiseScale`'s
+    `{"b_simple": ..., "trace": ..., "grad_sq": ...}`) is one key per entry, `loss/p50` and
+    `loss/p90` (as the backends that take scalars only write it); any other value (another
+    dict too) is the key itself."""
+    if isinstance(value, dict) and (
+        any(quantile(str(name)) is not None for name in value) or set(value) == NOISE_SCALE
+    ):
         return [(f"{key}/{name}", v) for name, v in value.items()]
     return [(key, value)]
 
