@@ -7,6 +7,7 @@ state, jit, vmap on both sides of spool and `across=`, grad, shard_map on 4 CPU 
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,6 +21,8 @@ from jax import lax
 
 import eqx_logs as el
 from eqx_logs._reduce._quantiles import QuantileSketch, quantile_name
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 QS = (0.0, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 0.999, 1.0)
 A = 0.01
@@ -438,4 +441,47 @@ def test_inside_shard_map_per_device_and_merged_across_devices():
     assert got["merged_counts"] == got["per_counts_sum"]
 
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_per_device_and_merged_across_both(tmp_path):
+    # jax.distributed over 127.0.0.1, 2 CPU devices each: 4 devices over "d"
+    env = devices_env(2)
+    env.pop("JAX_PLATFORMS", None)
+    env["PYTHONPATH"] = ROOT
+    worker = os.path.join(HERE, "quantiles_worker.py")
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), port, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    texts = []
+    try:
+        for p in procs:
+            texts.append(p.communicate(timeout=240)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
+    qs = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
+    for r in results:
+        xs = np.asarray(r["xs"], np.float32)
+        for d in range(4):  # each device's own events, on either process
+            check({k: np.asarray(v)[d] for k, v in r["per"].items()}, xs[d], qs=qs)
+        check(r["merged"], xs, qs=qs, what="across both processes")
+        per = np.asarray(r["per_counts"])
+        assert per.shape[0] == 4
+        np.testing.assert_array_equal(np.asarray(r["merged_counts"]), per.sum(0))
+    assert results[0]["merged"] == results[1]["merged"]

@@ -211,9 +211,12 @@ class QuantileSketch(eqx.Module):
         cum = jnp.cumsum(counts, axis=-1, dtype=jnp.uint32)
         n = cum[..., -1]
         rank = _lower_rank(q, jnp.maximum(n, jnp.uint32(1)) - jnp.uint32(1))
-        position = jnp.argmax(cum > rank[..., None], axis=-1)
-        table = jnp.asarray(self._layout.table(np.dtype(self.dtype)))
-        value = table[position]
+        position = jnp.argmax(cum > rank[..., None], axis=-1).astype(jnp.int32)
+        table = jnp.asarray(self._layout.table(np.dtype(self.dtype))[:-1])
+        # the table's entry at `position`, as a sum with one term: a gather of a replicated
+        # table by indices sharded over Explicit mesh axes has no output sharding to pick
+        hit = jnp.arange(table.shape[0], dtype=jnp.int32) == position[..., None]
+        value = jnp.sum(jnp.where(hit, table, jnp.zeros((), table.dtype)), axis=-1)
         return jnp.where(n > 0, value, jnp.asarray(jnp.nan, value.dtype))
 
     def merge(self, other: "QuantileSketch") -> "QuantileSketch":
@@ -413,20 +416,24 @@ class Quantiles(AbstractReduction):
         v = jnp.ravel(jnp.asarray(v))
         return self._layout.positions(v.astype(_compute_dtype(v.dtype)))
 
+    def _bincount(self, *values):
+        """How many elements of `values` fall at each flat position: one scatter-add into
+        fresh zeros (on the CPU 5-25% faster than into the state, bench_quantiles.py)."""
+        positions = jnp.concatenate([self._positions(v) for v in values])
+        zeros = jnp.zeros((self._layout.size,), jnp.int32)
+        return zeros.at[positions].add(jnp.int32(1), mode="promise_in_bounds")
+
     def update(self, state, value, valid):
         weight = jnp.asarray(valid, jnp.int32)
 
         def add(s, v):
-            counts = s.counts.at[self._positions(v)].add(weight, mode="promise_in_bounds")
-            return _Counts(counts, s.dtype)
+            return _Counts(s.counts + weight * self._bincount(v), s.dtype)
 
         return _map(add, state, value)
 
     def update_many(self, state, values):
         def add(s, *vs):
-            positions = jnp.concatenate([self._positions(v) for v in vs])
-            counts = s.counts.at[positions].add(jnp.int32(1), mode="promise_in_bounds")
-            return _Counts(counts, s.dtype)
+            return _Counts(s.counts + self._bincount(*vs), s.dtype)
 
         return _map(add, state, *values)
 
