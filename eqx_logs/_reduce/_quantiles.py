@@ -418,7 +418,8 @@ class Quantiles(AbstractReduction):
 
     def _bincount(self, *values):
         """How many elements of `values` fall at each flat position: one scatter-add into
-        fresh zeros (on the CPU 5-25% faster than into the state, bench_quantiles.py)."""
+        fresh zeros (into the state, or `jnp.bincount`, measure within 2% of it on the CPU:
+        bench_quantiles.py; the scatter is ~half the update's time there)."""
         positions = jnp.concatenate([self._positions(v) for v in values])
         zeros = jnp.zeros((self._layout.size,), jnp.int32)
         return zeros.at[positions].add(jnp.int32(1), mode="promise_in_bounds")
