@@ -192,6 +192,41 @@ def test_untaken_events_add_nothing():
     assert int(logs["x"]["sketch"].count) == keep.sum() * 50
 
 
+def test_batched_predicates_count_per_lane_and_a_while_loop():
+    def f(xs, keep):
+        def step(c, x_k):
+            x, k = x_k
+            lax.cond(k, lambda: el.log("x", x), lambda: None)
+            return c, None
+
+        return lax.scan(step, 0, (xs, keep))[0]
+
+    xs = _log_uniform((3, 6, 10), seed=26).astype(np.float32)
+    keep = _rng(27).random((3, 6)) < 0.5
+    keep[0] = False  # a lane without events: NaN there
+    _, logs = el.spool(jax.vmap(f), reduce=RED)(jnp.asarray(xs), jnp.asarray(keep))
+    for i in range(3):
+        lane = jax.tree.map(lambda v, i=i: v[i], logs["x"])
+        check(lane, xs[i][keep[i]], what=f"lane {i}")
+        assert int(lane["sketch"].count) == keep[i].sum() * 10
+
+    def g(n):
+        def body(i):
+            el.log("w", jnp.sin(jnp.arange(5.0) * i))
+            return i + 1.0
+
+        return lax.while_loop(lambda i: i < n, body, 0.0)
+
+    _, logs = el.spool(g, reduce=RED)(7.0)
+    check(logs["w"], np.sin(np.arange(5.0)[None] * np.arange(7.0)[:, None]).astype(np.float32))
+    # inside Window: one set of quantiles per window of 3 events
+    _, logs = el.spool(g, reduce=el.Window(3, el.Quantiles(q=(0.5, 0.9)), capacity=3))(7.0)
+    rows = np.sin(np.arange(5.0)[None] * np.arange(7.0)[:, None]).astype(np.float32)
+    for w in range(3):
+        one = {k: np.asarray(v)[w] for k, v in logs["w"].items()}
+        check(one, rows[3 * w : 3 * w + 3], qs=(0.5, 0.9), what=f"window {w}")
+
+
 def test_update_with_valid_false_leaves_the_state_unchanged():
     red = el.Quantiles()
     struct = jax.ShapeDtypeStruct((4,), jnp.float32)
