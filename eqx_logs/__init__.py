@@ -22,6 +22,7 @@ from ._reduce import (
     NoiseScale as NoiseScale,
     Policy as Policy,
     Quantiles as Quantiles,
+    QuantileSketch as QuantileSketch,
     Sample as Sample,
     Stack as Stack,
     Std as Std,

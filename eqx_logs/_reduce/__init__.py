@@ -26,7 +26,7 @@ from ._policy import (
     with_options as with_options,
     without_watch as without_watch,
 )
-from ._quantiles import Quantiles as Quantiles
+from ._quantiles import Quantiles as Quantiles, QuantileSketch as QuantileSketch
 from ._reductions import (
     EMA as EMA,
     AbstractReduction as AbstractReduction,
