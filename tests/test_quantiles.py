@@ -2,12 +2,12 @@
 element of every event, within the stated relative error: hard inputs (40 decades of both
 signs, heavy tails, constants, zeros, infinities, NaNs counted aside), every dtype, merging
 (exactly the counts of the concatenated values), and the transforms (scan with a fixed-size
-state, jit, vmap on both sides of spool and `across=`, grad, shard_map on 4 CPU devices).
+state, jit, vmap on both sides of spool and `across=`, grad, shard_map on 4 CPU devices);
+two processes in `test_per_example_distributed.py`.
 """
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -474,49 +474,3 @@ def test_inside_shard_map_per_device_and_merged_across_devices():
         check(one, xs[d], qs=qs, what=f"device {d}")
     check(got["merged"], xs, qs=qs, what="across devices")
     assert got["merged_counts"] == got["per_counts_sum"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_processes_per_device_and_merged_across_both(tmp_path):
-    # jax.distributed over 127.0.0.1, 2 CPU devices each: 4 devices over "d"
-    env = devices_env(2)
-    env.pop("JAX_PLATFORMS", None)
-    env["PYTHONPATH"] = ROOT
-    worker = os.path.join(HERE, "quantiles_worker.py")
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(i), port, str(tmp_path)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    texts = []
-    try:
-        for p in procs:
-            texts.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, texts):
-        assert p.returncode == 0, text[-4000:]
-    results = [json.loads((tmp_path / f"result{i}.json").read_text()) for i in range(2)]
-    qs = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
-    for r in results:
-        xs = np.asarray(r["xs"], np.float32)
-        for d in range(4):  # each device's own events, on either process
-            check({k: np.asarray(v)[d] for k, v in r["per"].items()}, xs[d], qs=qs)
-        check(r["merged"], xs, qs=qs, what="across both processes")
-        per = np.asarray(r["per_counts"])
-        assert per.shape[0] == 4
-        np.testing.assert_array_equal(np.asarray(r["merged_counts"]), per.sum(0))
-    assert results[0]["merged"] == results[1]["merged"]
