@@ -34,6 +34,18 @@ class _Options:
     path: str
     stats: tuple[str, ...]
     grads: bool
+    per_example: bool = False  # (an `eqx.nn.Linear`: its weight gradient's norm per example)
+
+    def example_norms(self, x: Any, out: Any) -> Any:
+        """`out`, the output of a Linear called on `x`, with the per-example norm of its
+        weight gradient logged in the backward pass (`_per_example.per_example_tap`)."""
+        from ._per_example import per_example_tap
+
+        prefix = current_prefix()
+        name = f"{prefix}/{self.path}" if prefix else self.path
+        return per_example_tap(
+            f"{name}/grad/per_example_norm", call_site(), x, out, (INSTRUMENT_TAG,)
+        )
 
     def log(self, out: Any) -> Any:
         """Log the statistics of a call's output `out`; returns `out` (with, if `grads`, the
@@ -66,7 +78,11 @@ def _instrumented_class(cls: type, field: bool = True) -> type:
     attribute each instance is given (a Flax NNX module: static, in its graphdef)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self, _FIELD).log(cls.__call__(self, *args, **kwargs))
+        options = getattr(self, _FIELD)
+        out = cls.__call__(self, *args, **kwargs)
+        if options.per_example and args:  # (set on Linears only)
+            out = options.example_norms(args[0], out)
+        return options.log(out)
 
     namespace: dict[str, Any] = {
         "__call__": __call__,
@@ -136,6 +152,7 @@ def instrument(
     stats: Sequence[str] = DEFAULT_STATS,
     grads: bool = False,
     where: str | Sequence[str] | Callable[[str, Any], bool] | None = None,
+    per_example: bool = False,
 ) -> _M:
     """Log statistics of every submodule's output (and of its gradient) without editing the
     model.
@@ -151,6 +168,15 @@ def instrument(
     - `grads`: also log, in the backward pass, the statistics of the cotangent of each
         submodule's output under `"<path>/grad/<stat>"` (tagged `"instrument"` and
         `"backward"`).
+    - `per_example`: each selected `eqx.nn.Linear` also logs, in the backward pass, under
+        `"<path>/grad/per_example_norm"`, the norm of each example's gradient of its weight
+        through the call, `|x| |g|` from its input and output cotangent: per lane of the
+        `jax.vmap` inside the spool (the batch, as in `jax.vmap(model)(xs)`), shape
+        `(batch,)` per call. A Linear under two vmaps inside the spool (a batch of sequences,
+        vmapped over the tokens) raises: its lanes are tokens, and an example's norm sums
+        over them before the norm; use [`eqx_logs.value_grad_and_norms`][] there. A Linear
+        called several times per example logs each call's. A single sequence under one
+        vmap over its tokens has tokens as lanes: not examples.
     - `where`: which submodules: a path pattern (`*` matches any characters, everything
         else itself: `"layers[*].attention"`), a sequence of them, or a function
         `(path, module) -> bool`. By default every submodule that is called (has
@@ -193,25 +219,34 @@ def instrument(
     stats = check_stats(stats, "eqx_logs.instrument")
     if not isinstance(grads, bool):
         raise TypeError(f"eqx_logs.instrument(grads=...) takes a bool, got {grads!r}.")
+    if not isinstance(per_example, bool):
+        raise TypeError(f"eqx_logs.instrument(per_example=...) takes a bool, got {per_example!r}.")
     selected = _matcher(where)
     if _nnx.find(model):
+        if per_example:
+            raise TypeError(
+                "eqx_logs.instrument(per_example=True) does eqx.nn.Linear layers of Equinox "
+                "models, not Flax NNX ones; use per_example=False."
+            )
         return _instrument_nnx(model, stats, grads, selected, where)
-    return _instrument_equinox(model, stats, grads, selected, where)
+    return _instrument_equinox(model, stats, grads, selected, where, per_example)
 
 
 def _instrument_equinox(
-    model: Any, stats: tuple, grads: bool, selected: Callable, where: Any
+    model: Any, stats: tuple, grads: bool, selected: Callable, where: Any, per_example: bool
 ) -> Any:
     """`instrument` of Equinox modules: `model` (instrumented already or not) with each
     selected submodule replaced by an instance of an instrumented subclass of its class,
     holding the same arrays; a wrapper module (`__wrapped__`) rebuilt around the result."""
-    found = []
+    found, linears = [], []
 
     def wrap(path: str, module: Any) -> Any:
         if not selected(path, module):
             return module
         found.append(path)
-        return _instrumented(module, _Options(path, stats, grads))
+        linear = per_example and isinstance(module, eqx.nn.Linear)
+        linears.append(linear)
+        return _instrumented(module, _Options(path, stats, grads, linear))
 
     root = _plain(model)
     instrumented = _map_submodules(wrap, root)
@@ -224,6 +259,12 @@ def _instrument_equinox(
         raise ValueError(
             f"eqx_logs.instrument(where={where!r}) selects no submodule of "
             f"{type(root).__name__}; its submodules are {every or 'none'}."
+        )
+    if per_example and not any(linears):
+        raise ValueError(
+            f"eqx_logs.instrument(per_example=True) selects no eqx.nn.Linear of "
+            f"{type(root).__name__} (selected: {found or 'none'}): only Linears log "
+            "per-example norms."
         )
     return instrumented
 

@@ -35,13 +35,15 @@ import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import jax.tree_util as jtu
-from jax import lax
+import numpy as np
+from jax import custom_batching, lax
 from jaxtyping import Array, Float, PyTree
 
 from . import _compat
 from ._instrument import _rebuild
 from ._log import _Cotangent
-from ._primitive import bind, call_site, grad_tap
+from ._primitive import BACKWARD_TAG, bind, call_site, grad_tap
+from ._scope import current_steps, no_context_steps, note_steps, unwatched
 from ._spool import nolog, spool
 from ._stats import path_name
 
@@ -518,3 +520,87 @@ def _fallback(
     else:
         out = lax.map(one, batch, batch_size=chunk_size)
     return dict(zip(rest, out, strict=True))
+
+
+# `instrument(..., per_example=True)`: an instrumented Linear logs, in the backward pass, the
+# norm of each example's gradient of its weight through the call, `|x| |g|` from the saved
+# input `x` and the output's cotangent `g`, per lane of the one `jax.vmap` inside the spool
+# (the batch). Under two (a sequence axis: the lanes are tokens) that is no per-example norm:
+# an error at trace time, which the probes below raise. The probes are identities whose
+# batching rules act only while a spool or tap traces (logging on): a `jax.vmap` outside it
+# (`jax.vmap(spool(f))`, independent runs) reaches them when the traced program is run, with
+# logging off, and passes.
+
+
+@custom_batching.custom_vmap
+def _second_vmap(x: Array) -> Array:
+    return x
+
+
+@_second_vmap.def_vmap
+def _second_vmap_rule(axis_size: int, in_batched: list, x: Array) -> tuple[Array, bool]:
+    if _compat.logging_enabled.value:
+        raise ValueError(_TWO_VMAPS.format(name=_naming[-1] if _naming else "?"))
+    return x, in_batched[0]
+
+
+@custom_batching.custom_vmap
+def _first_vmap(x: Array) -> Array:
+    return x
+
+
+@_first_vmap.def_vmap
+def _first_vmap_rule(axis_size: int, in_batched: list, x: Array) -> tuple[Array, bool]:
+    if _compat.logging_enabled.value:
+        _second_vmap(x)  # (a second vmap inside the spool batches this one)
+    return x, in_batched[0]
+
+
+_naming: list[str] = []  # the key whose norms are being traced (for the error)
+_TWO_VMAPS = (
+    "eqx_logs.instrument(per_example=True): {name!r} is under two jax.vmaps inside the "
+    "spool (a batch of sequences, the layer vmapped over the tokens), where each lane is a "
+    "token, not an example: the norm of an example's weight gradient sums over its tokens "
+    "before the norm, which the layer's lanes cannot give. Use "
+    "eqx_logs.value_grad_and_norms(loss_fn)(model, *batch) for per-example gradient norms "
+    "of a sequence model, or instrument it with per_example=False."
+)
+
+
+def per_example_tap(name: str, site: str, x: Any, y: Any, tags: tuple[str, ...]) -> Any:
+    """`y`, the output of an `eqx.nn.Linear` called on `x`; in the backward pass, logs
+    under `name` the norm of the weight's gradient through this call, `|x| |g|` for the
+    cotangent `g` of `y`: per lane of a `jax.vmap` inside the spool, an error under two."""
+    if not _compat.logging_enabled.value or not isinstance(y, jax.Array):
+        return y
+    steps = current_steps()
+    note_steps(steps, site)
+    return _norm_tap(name, site, (BACKWARD_TAG, *tags), y, lax.stop_gradient(x), steps)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _norm_tap(name: str, site: str, tags: tuple, y: Any, x: Any, steps: dict) -> Any:
+    return y
+
+
+def _norm_tap_fwd(name: str, site: str, tags: tuple, y: Any, x: Any, steps: dict) -> Any:
+    return y, (x, steps)
+
+
+def _norm_tap_bwd(name: str, site: str, tags: tuple, residuals: Any, ct: Any) -> Any:
+    x, steps = residuals
+    if _compat.logging_enabled.value:
+        _naming.append(name)
+        try:
+            _first_vmap(ct)
+        finally:
+            _naming.pop()
+        dtype = jnp.float64 if jnp.dtype(ct.dtype).itemsize > 4 else jnp.float32
+        squares = jnp.sum(jnp.square(x.astype(dtype))) * jnp.sum(jnp.square(ct.astype(dtype)))
+        with no_context_steps(), unwatched():
+            bind({name: jnp.sqrt(squares)}, steps, tags=tags, site=site)
+    zeros = jtu.tree_map(lambda s: np.zeros(np.shape(s), jax.dtypes.float0), steps)
+    return ct, jnp.zeros_like(x), zeros
+
+
+_norm_tap.defvjp(_norm_tap_fwd, _norm_tap_bwd)

@@ -320,3 +320,53 @@ def test_float64_and_options():
         eqx_logs.value_grad_and_norms(lambda m, x: m(x))(lin, jnp.ones((4, 3)))
     decorated = eqx_logs.value_grad_and_norms(by_layer=True)(loss_fn)
     assert sorted(decorated(lin, jnp.ones((4, 3)))[2]) == ["bias", "weight"]
+
+
+def test_instrument_per_example_norms():
+    mlp = eqx.nn.MLP(3, 2, 8, 2, key=jax.random.key(23))
+    model = eqx_logs.instrument(mlp, grads=True, per_example=True)
+    x = jax.random.normal(jax.random.key(24), (5, 3))
+
+    def one(m, x):
+        return jnp.sum(jnp.sin(m(x)))
+
+    def mean_loss(m, x):
+        return jnp.mean(jax.vmap(lambda x: one(m, x))(x))
+
+    grads, logs = eqx_logs.spool(eqx.filter_jit(eqx.filter_grad(mean_loss)))(model, x)
+    _, by_path = reference(one, mlp, x)
+    for i in range(3):
+        key = f"layers[{i}]/grad/per_example_norm"
+        assert logs[key].shape == (1, 5)  # (one call, one value per example)
+        # (of the mean loss's gradient: each example's own, over the batch size)
+        np.testing.assert_allclose(logs[key][0] * 5, by_path[f"layers[{i}].weight"], rtol=RTOL)
+        assert f"layers[{i}]/grad/rms" in logs  # (the statistics as before)
+    want = eqx.filter_grad(mean_loss)(mlp, x)
+    for got, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, w, rtol=RTOL)
+
+    # independent runs (a vmap outside the spool): each its own, as alone
+    xs = jnp.stack([x, 2.0 * x])
+    _, runs = jax.vmap(lambda x: eqx_logs.spool(eqx.filter_grad(mean_loss))(model, x))(xs)
+    _, second = reference(one, mlp, 2.0 * x)
+    got = runs["layers[0]/grad/per_example_norm"]
+    assert got.shape == (2, 1, 5)
+    np.testing.assert_allclose(got[1, 0] * 5, second["layers[0].weight"], rtol=RTOL)
+
+
+def test_instrument_per_example_refuses_tokens():
+    block = eqx_logs.instrument(Block(8, 2, jax.random.key(25)), grads=True, per_example=True)
+    x = jnp.ones((2, 3, 8))
+
+    def mean_loss(m, x):
+        return jnp.mean(jax.vmap(lambda x: block_loss(m, x, x))(x))
+
+    with pytest.raises(ValueError, match="two jax.vmaps.*value_grad_and_norms"):
+        eqx_logs.spool(eqx.filter_grad(mean_loss))(block, x)
+    with pytest.raises(ValueError, match="two jax.vmaps"):  # (a jit between: the same)
+        eqx_logs.spool(eqx.filter_grad(eqx.filter_jit(mean_loss)))(block, x)
+    # outside a spool: the model's program, nothing refused
+    grads = eqx.filter_grad(mean_loss)(block, x)
+    assert grads.mlp.layers[0].weight.shape == (16, 8)
+    with pytest.raises(ValueError, match="no eqx.nn.Linear"):
+        eqx_logs.instrument(block, per_example=True, where="ln1")
