@@ -259,14 +259,22 @@ def _layer_results(
         out[layer.bias] = (jnp.sum(summed**2, axis=1), grad)
     if layer.weight is None:
         return out
-    if layer.kind == "embedding":
+    if layer.kind == "embedding":  # each row's gradient sums the tokens of its id
         ids = jnp.concatenate(xs, axis=1)[..., 0]
-        same = ids[:, :, None] == ids[:, None, :]
-        gram = jnp.einsum("btd,bsd->bts", g, g)
-        out[layer.weight] = (
-            jnp.sum(jnp.where(same, gram, jnp.zeros((), dtype)), axis=(1, 2)),
-            None,
+        batch, tokens, width = g.shape
+        order = jnp.argsort(ids, axis=1, stable=True)
+        ids = jnp.take_along_axis(ids, order, axis=1)
+        g = jnp.take_along_axis(g, order[..., None], axis=1)
+        first = jnp.concatenate(
+            [jnp.ones((batch, 1), bool), ids[:, 1:] != ids[:, :-1]], axis=1
+        )  # (a run of one id in the sorted tokens: one row)
+        runs = jnp.cumsum(first.astype(jnp.int32), axis=1) - 1
+        runs = runs + tokens * jnp.arange(batch, dtype=jnp.int32)[:, None]
+        rows = jax.ops.segment_sum(
+            g.reshape(batch * tokens, width), runs.reshape(-1), num_segments=batch * tokens
         )
+        squares = jnp.sum(jnp.sum(rows**2, axis=1).reshape(batch, tokens), axis=1)
+        out[layer.weight] = (squares, None)
         return out
     x = jnp.concatenate(xs, axis=1)
     if layer.kind == "norm":

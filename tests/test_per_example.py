@@ -302,6 +302,31 @@ def test_under_filter_jit_and_a_user_spool():
     np.testing.assert_allclose(loss, jnp.mean(losses), rtol=RTOL)
 
 
+def test_user_logs_once_with_the_fallback_and_regrad():
+    k1, k2, k3 = jax.random.split(jax.random.key(26), 3)
+    model = ConvNet(eqx.nn.Conv1d(2, 3, 3, key=k1), eqx.nn.Linear(3 * 6, 2, key=k2))
+    x = jax.random.normal(k3, (5, 2, 8))
+
+    def plain(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    def loss_fn(m, x):  # (the head's events consumed: its gradient taken again, no logs)
+        eqx_logs.log("example_loss", plain(m, x))
+        h = jnp.ravel(jnp.tanh(m.conv(x)))
+        out, _ = eqx_logs.spool(m.head)(h)
+        return jnp.sum(out**2)
+
+    (loss, grads, norms), logs = eqx_logs.spool(eqx_logs.value_grad_and_norms(loss_fn))(model, x)
+    np.testing.assert_allclose(norms, reference(plain, model, x)[0], rtol=RTOL)
+    _, want = mean_value_and_grad(plain, model, x)
+    for got, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(got, w, rtol=RTOL, atol=1e-7)
+    assert list(logs) == ["example_loss"]
+    losses = jax.vmap(lambda x: plain(model, x))(x)
+    np.testing.assert_allclose(logs["example_loss"], losses[None], rtol=RTOL)
+    np.testing.assert_array_equal(logs.count["example_loss"], np.ones(5, np.int32))
+
+
 def test_float64_and_options():
     with jax.enable_x64(True):
         lin = eqx.nn.Linear(3, 2, key=jax.random.key(20), dtype=jnp.float64)
