@@ -1,26 +1,36 @@
 """`value_grad_and_norms`: the mean loss, its gradient, and each example's gradient norm,
 without materialising per-example gradients.
 
-How: every `eqx.nn.Linear` and `eqx.nn.Embedding` of the model is replaced, while the loss
-traces, by an instance of a subclass of its class that logs its input (under a private tag)
-and taps the cotangent of its output. One `spool(filter_value_and_grad(mean loss))` then
-gives the batch gradient and, for each call of each layer, the inputs `X_i` (tokens x in) and
-output cotangents `G_i` (tokens x out) of every example, from which the norm of each
-example's weight gradient `sum_t x_t g_t^T` follows without forming it:
+How: every `eqx.nn.Linear`, `eqx.nn.Embedding`, `eqx.nn.LayerNorm` and `eqx.nn.RMSNorm` of
+the model is replaced, while the loss traces, by an instance of a subclass of its class that
+logs its input (under a private tag) and taps the cotangent of its output. One
+`spool(filter_value_and_grad(mean loss))` then gives, for each call of each layer, the
+inputs `X_i` (tokens x in) and output cotangents `G_i` (tokens x out) of every example, from
+which the norm of each example's gradient follows without forming it:
 
-- weight: `<X_i X_i^T, G_i G_i^T>` (one token: `|x|^2 |g|^2`), or `|X_i^T G_i|_F^2` when
-  that is cheaper;
+- Linear weight: `|x|^2 |g|^2` for one token; else `|X_i^T G_i|_F^2`, or the Gram form
+  `<X_i X_i^T, G_i G_i^T>` when the tokens are fewer than the layer is wide. The Linears'
+  weights are read behind `stop_gradient` (a zero "probe" the loss is differentiated for is
+  added to their outputs, so that the cotangent flows whatever the input depends on), and
+  their batch gradient is made from the same logs: `sum_i X_i^T G_i`, the per-example
+  products summed when they are formed, so the gradient costs what autodiff's would;
 - bias: `|sum_t g_t|^2`;
-- embedding: `sum_{t,s: id_t = id_s} <g_t, g_s>`.
+- Embedding: `sum over ids v of |sum_{t: id_t = v} g_t|^2` (a segment sum over the sorted
+  ids);
+- LayerNorm / RMSNorm weight: `|sum_t xhat_t * g_t|^2`, `xhat` the layer's own normalised
+  input (the layer called without its weight and bias on the logged input).
 
 A layer called several times per example (shared, in a scan, in a Python loop) has the
 tokens of all its calls concatenated first: its per-example gradient is the sum over calls.
+The backward pass runs a loop's iterations in reverse, so its cotangents are put back in the
+forward order first.
 
-Everything else (LayerNorm's weight and bias, a Conv, a Linear whose weight the loss also
-reads directly, one whose events did not all arrive) falls back to `jax.grad` of one example
-restricted to those parameters, mapped over the batch in chunks. Whether a layer's weight is
-used outside its call is read from the loss's jaxpr, traced once with the layers reading a
-second copy of their parameters.
+Everything else (a Conv, a Linear whose weight the loss also reads other than by calling
+it, stacked layers, one whose events did not all arrive) falls back to `jax.grad` of one
+example restricted to those parameters, mapped over the batch in chunks (a Linear whose
+events did not arrive also has its batch gradient taken again, without logs). Whether a
+layer's parameters are read outside its call is read from the loss's jaxpr, traced once with
+the layers reading a second copy of their parameters.
 """
 
 import contextlib
@@ -331,14 +341,16 @@ def value_grad_and_norms(
     `(batch,)`, the norm of each example's own gradient `|grad loss_fn(model, *example_i)|`
     (not divided by the batch size), or with `by_layer` the dict of each parameter's.
 
-    The weights and biases of `eqx.nn.Linear` (inside `eqx.nn.MLP`, `eqx.nn.MultiheadAttention`
-    and any model, with or without a sequence axis under `jax.vmap`, called once or several
-    times per example) and of `eqx.nn.Embedding` are done from each call's inputs and output
-    cotangents: the cost is a few reductions over the activations. Every other parameter (a
-    LayerNorm's, a Conv's, a Linear whose weight the loss also reads other than by calling it)
-    is differentiated per example, `jax.vmap(jax.grad)` restricted to those, in chunks. The
-    logs of `loss_fn` reach an enclosing `spool` once per event, as from the batch's forward
-    pass under `jax.vmap`.
+    The parameters of `eqx.nn.Linear` (inside `eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and
+    any model, with or without a sequence axis under `jax.vmap`, called once or several times
+    per example, in a `lax.scan` too), `eqx.nn.Embedding`, `eqx.nn.LayerNorm` and
+    `eqx.nn.RMSNorm` are done from each call's inputs and output cotangents, at about the
+    cost of the step without norms. Every other parameter (a Conv's, a Linear whose weight
+    the loss also reads other than by calling it: a weight penalty, tied weights) is
+    differentiated per example, `jax.vmap(jax.grad)` restricted to those, in chunks. The logs
+    of `loss_fn` reach an enclosing `spool` once per event, as from the batch's forward pass
+    under `jax.vmap`. Differentiating through it again (a meta-gradient) is not supported:
+    the Linears' gradients are assembled from logged values.
 
     !!! example
 
