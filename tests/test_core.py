@@ -771,25 +771,7 @@ def test_loop_invariant_logs_fire_every_iteration_under_ad(name):
     assert_close(logs["jit"], [0.5] * 3)
 
 
-_JAX_BEFORE_0_12 = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            n,
-            marks=pytest.mark.xfail(
-                n == "grad_checkpoint" and _JAX_BEFORE_0_12,
-                strict=True,
-                reason="known limitation on jax 0.10/0.11: the closed_call that "
-                "_scan_partial_eval_custom emits for a nested scan is split by "
-                "JaxprTrace.process_call, which drops its output-less staged half",
-            ),
-        )
-        for n in _AD_TRANSFORMS
-    ],
-)
+@pytest.mark.parametrize("name", list(_AD_TRANSFORMS))
 def test_loop_invariant_logs_in_nested_scans_under_ad(name):
     _, logs = el.spool(_AD_TRANSFORMS[name](functools.partial(_invariant_logs, nested=True)))(
         jnp.float32(0.5)
