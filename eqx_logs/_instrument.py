@@ -102,7 +102,7 @@ def _instrumented_class(cls: type, field: bool = True) -> type:
         ) from e
 
 
-def _rebuild(cls: type, module: Any, **extra: Any) -> Any:
+def rebuild(cls: type, module: Any, **extra: Any) -> Any:
     """`module`'s fields in an instance of `cls` (a subclass or the base of its class),
     without running `__init__`: the arrays are the same objects."""
     out = object.__new__(cls)
@@ -113,14 +113,14 @@ def _rebuild(cls: type, module: Any, **extra: Any) -> Any:
 
 
 def _instrumented(module: Any, options: _Options) -> Any:
-    return _rebuild(_instrumented_class(type(module)), module, **{_FIELD: options})
+    return rebuild(_instrumented_class(type(module)), module, **{_FIELD: options})
 
 
 def _plain(module: Any) -> Any:
     """An instrumented submodule as it was."""
     if getattr(module, _FIELD, None) is None:
         return module
-    return _rebuild(type(module).__mro__[1], module)
+    return rebuild(type(module).__mro__[1], module)
 
 
 def _matcher(where: Any) -> Callable[[str, Any], bool]:

@@ -173,7 +173,7 @@ def _ranked(
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cotangent:
+class Cotangent:
     key: str
     statistics = False  # its items are cotangents, not statistics of them
 
@@ -210,4 +210,4 @@ def log_grad(name: str, x: PyTree[ArrayLike]) -> PyTree[ArrayLike]:
     if not _compat.logging_enabled.value:
         return x
     prefix = current_prefix()
-    return grad_tap(_Cotangent(f"{prefix}/{name}" if prefix else name), site, x)
+    return grad_tap(Cotangent(f"{prefix}/{name}" if prefix else name), site, x)

@@ -50,8 +50,8 @@ from jax import custom_batching, lax
 from jaxtyping import Array, Float, PyTree
 
 from . import _compat
-from ._instrument import _rebuild
-from ._log import _Cotangent
+from ._instrument import rebuild
+from ._log import Cotangent
 from ._primitive import BACKWARD_TAG, bind, call_site, grad_tap
 from ._scope import current_steps, no_context_steps, note_steps, unwatched
 from ._spool import nolog, spool
@@ -97,7 +97,7 @@ def _tapped_call(cls: type, self: Any, x: Any, *args: Any, **kwargs: Any) -> Any
     index = getattr(self, _FIELD)
     state = _current[-1] if _current else None
     if state is not None and state.seen is not None:  # (the detection trace)
-        return cls.__call__(_rebuild(cls, self, **state.seen[index]), x, *args, **kwargs)
+        return cls.__call__(rebuild(cls, self, **state.seen[index]), x, *args, **kwargs)
     if state is None or not _compat.logging_enabled.value:
         return cls.__call__(self, x, *args, **kwargs)
     n = state.calls.get(index, 0)
@@ -110,13 +110,13 @@ def _tapped_call(cls: type, self: Any, x: Any, *args: Any, **kwargs: Any) -> Any
         frozen = {"weight": lax.stop_gradient(self.weight)}
         if self.bias is not None:
             frozen["bias"] = lax.stop_gradient(self.bias)
-        layer = _rebuild(cls, self, **frozen)
+        layer = rebuild(cls, self, **frozen)
     y = cls.__call__(layer, x, *args, **kwargs)
     if not isinstance(y, jax.Array):
         return y  # (a `(y, state)` pair: no cotangent logged, so the fallback does it)
     if layer is not self:  # (a path for the cotangent, whatever the input depends on)
         y = y + state.probe.astype(y.dtype)
-    return grad_tap(_Cotangent(f"{name}/g"), site, y, tags=(PER_EXAMPLE_TAG,))
+    return grad_tap(Cotangent(f"{name}/g"), site, y, tags=(PER_EXAMPLE_TAG,))
 
 
 @functools.cache
@@ -212,7 +212,7 @@ def _tap_layers(model: Any, layers: list[_Layer], which: set[int]) -> Any:
         i = by_path.get(jtu.keystr(path)) if isinstance(x, _CLASSES) else None
         if i is None:
             return x
-        return _rebuild(_tapped_class(type(x)), x, **{_FIELD: i})
+        return rebuild(_tapped_class(type(x)), x, **{_FIELD: i})
 
     return jtu.tree_map_with_path(visit, model, is_leaf=lambda x: isinstance(x, _CLASSES))
 
@@ -288,7 +288,7 @@ def _layer_results(
         return out
     x = jnp.concatenate(xs, axis=1)
     if layer.kind == "norm":
-        plain = _rebuild(
+        plain = rebuild(
             layer.base, layer.config, weight=None, bias=None, use_weight=False, use_bias=False
         )
         shape = tuple(layer.config.shape)
