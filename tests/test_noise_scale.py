@@ -476,3 +476,19 @@ def test_reference_is_not_trivial():
     after = np_noise(*np_terms(small.reshape(-1), big.reshape(-1), 1, B), DECAY)["b_simple"]
     glob = np_noise(*np_terms(small_g, big_g, 1, DEVICES * B), DECAY)["b_simple"]
     assert abs(mean - after) > 1e-3 * abs(mean) and abs(mean - glob) > 1e-3 * abs(mean)
+
+
+def test_a_refused_event_names_the_key_and_the_line():
+    """A reduction's error about an event (here sizes known when tracing) says which key and
+    where it was logged (a note the store adds to any ValueError or TypeError a reduction
+    raises), for a hand-written event as for `log_noise_scale`."""
+
+    def f(x):
+        event = {"small": x, "big": x, "b_small": 4, "b_big": 2}
+        eqx_logs.log("my/noise", event, reduce=eqx_logs.NoiseScale())
+        return x
+
+    with pytest.raises(ValueError, match="b_small < b_big") as info:
+        eqx_logs.spool(f)(jnp.float32(1.0))
+    notes = "\n".join(getattr(info.value, "__notes__", ()))
+    assert "'my/noise'" in notes and "test_noise_scale.py" in notes, notes

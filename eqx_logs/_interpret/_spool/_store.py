@@ -152,7 +152,7 @@ class Store:
                 state[channel] = Pending(base, (*events, event[channel]))
             else:
                 s = self.settle_channel(key, channel, s, arrays=False)
-                update = vmap_n(method(reduction, "update"), self.info[key].nbatch)
+                update = vmap_n(self.reducing(key, reduction, "update"), self.info[key].nbatch)
                 state[channel] = update(s, stop_gradients(event[channel]), valid)
         return state
 
@@ -162,7 +162,7 @@ class Store:
             if state.state is FRESH:
                 state = self.empty(key, channel, state.events)
             else:
-                update_many = method(self.channels[key][channel], "update_many")
+                update_many = self.reducing(key, self.channels[key][channel], "update_many")
                 state = vmap_n(update_many, self.info[key].nbatch)(state.state, list(state.events))
             # states take no gradient: one stop per leaf, where the events need one each
             state = stop_gradients(state)
@@ -219,10 +219,10 @@ class Store:
         batch = self.manual.batch_shape(info)
         try:
             if events:
-                init = functools.partial(method(reduction, "init_many"), struct, bound)
+                init = functools.partial(self.reducing(key, reduction, "init_many"), struct, bound)
                 state = vmap_n(init, info.nbatch)(list(events))
             else:
-                state = method(reduction, "init")(struct, bound)
+                state = self.reducing(key, reduction, "init")(struct, bound)
                 if batch:
                     state = jtu.tree_map(lambda x: jnp.broadcast_to(x, batch + jnp.shape(x)), state)
         except NeedsBound:
@@ -269,6 +269,26 @@ class Store:
             "(`reduce=eqx_logs.Stack(capacity=N)`)."
         )
 
+    def reducing(self, key: str, reduction: Any, name: str) -> Any:
+        """`reduction`'s method `name`, whose `ValueError` or `TypeError` (an event it refuses,
+        a user's reduction's bug) gets a note naming the key and where it is logged."""
+        fun = method(reduction, name)
+
+        @functools.wraps(fun)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fun(*args, **kwargs)
+            except (ValueError, TypeError) as e:
+                note = (
+                    f"(eqx_logs: in {type(reduction).__name__}.{name} of key {key!r}, logged "
+                    f"at {site_list(self.info[key].sites)})"
+                )
+                if note not in getattr(e, "__notes__", ()):
+                    e.add_note(note)
+                raise
+
+        return call
+
     def finish(self, key: str, state: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         """One lane of `key`'s outputs: its rows (for an output with an event axis; None if
         it has none), and its finalized channels. A key with no value channel gets its value
@@ -279,7 +299,7 @@ class Store:
         key_rows = None
         if self.reductions[key].event_axes and slots:
             key_rows = method(channels[slots[0]], "rows")(state[slots[0]])
-        finalized = {c: method(r, "finalize")(state[c]) for c, r in channels.items()}
+        finalized = {c: self.reducing(key, r, "finalize")(state[c]) for c, r in channels.items()}
         if "value" not in channels:
             finalized["value"] = jtu.tree_unflatten(self.info[key].treedef, [])
         return key_rows, finalized
