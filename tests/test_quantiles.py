@@ -474,3 +474,26 @@ def test_inside_shard_map_per_device_and_merged_across_devices():
         check(one, xs[d], qs=qs, what=f"device {d}")
     check(got["merged"], xs, qs=qs, what="across devices")
     assert got["merged_counts"] == got["per_counts_sum"]
+
+
+def test_jax_export_with_symbolic_shapes_quantiles_topk_and_noise_scale():
+    """Issue 53's reductions in a program exported with a symbolic batch size, called at
+    two sizes: as the spool called directly."""
+    from jax import export
+
+    def f(x):
+        el.log("q", x, reduce=el.Quantiles(q=(0.1, 0.5, 0.9)))
+        ids = jnp.arange(x.shape[0], dtype=jnp.int32)
+        el.log("t", x, ids=ids, reduce=el.TopK(3), step=0)
+        small, big = jnp.mean(x**2), jnp.mean(x) ** 2
+        el.log("n", {"small": small, "big": big, "b_small": 1, "b_big": 8}, reduce="noise_scale")
+        return jnp.sum(x)
+
+    (b,) = export.symbolic_shape("b")
+    spec = jax.ShapeDtypeStruct((b,), jnp.float32)
+    exported = export.export(jax.jit(el.spool(f)))(spec)
+    for n in (5, 11):
+        x = jnp.asarray(_log_uniform((n,), seed=n), jnp.float32)
+        got, want = exported.call(x), el.spool(f)(x)
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+        assert np.asarray(got[1]["t"]["id"])[0] == int(np.argmax(np.asarray(x)))
