@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,41 @@ def devices_env(n: int) -> dict[str, str]:
     """This process's environment for a subprocess with `n` CPU devices."""
     count = f"--xla_force_host_platform_device_count={n}"
     return {**os.environ, "XLA_FLAGS": f"{without_device_count()} {count}".strip()}
+
+
+def run_two_processes(worker: str, out: Any, timeout: int = 300, **env: str) -> list[dict]:
+    """Run `worker` as two processes joined by `jax.distributed` (`python worker <process id>
+    <port> <out>`, a free loopback port, 2 CPU devices each), and return each process's
+    `<out>/result<i>.json`; a process that fails or outlives `timeout` fails the test."""
+    import json
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    environ = {**devices_env(2), **env}
+    environ.pop("JAX_PLATFORMS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, str(i), port, str(out)],
+            env=environ,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    texts = []
+    try:
+        for p in procs:
+            texts.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, text in zip(procs, texts):
+        assert p.returncode == 0, text[-4000:]
+    return [json.loads(open(os.path.join(str(out), f"result{i}.json")).read()) for i in range(2)]
 
 
 # A training loop as a script writes it (the loggers' docstring examples), once with each

@@ -2,15 +2,11 @@
 devices each, gloo collectives (`distributed_worker.py`). Spooled values against numpy;
 every logger event written exactly once per run, read back with `read_jsonl`."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import devices_env, read_tensorboard
+from helpers import read_tensorboard, run_two_processes
 
 from eqx_logs.loggers import read_jsonl
 
@@ -18,41 +14,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS, DEVICES = 3, 4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("distributed")
-    port = str(_free_port())
-    env = devices_env(2)
-    env.pop("JAX_PLATFORMS", None)
-    worker = os.path.join(HERE, "distributed_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(i), port, str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=300)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, logs):
-        assert p.returncode == 0, text[-4000:]
-    results = [json.loads((out / f"result{i}.json").read_text()) for i in range(2)]
-    return out, results
+    return out, run_two_processes(os.path.join(HERE, "distributed_worker.py"), out)
 
 
 def test_spooled_values_match_numpy_on_both_processes(run):

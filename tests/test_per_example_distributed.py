@@ -3,15 +3,11 @@ devices each, gloo collectives (`per_example_worker.py`). Each device logs its o
 `Quantiles`, `TopK` (with ids and steps) and `NoiseScale`; per device and merged `across="d"`
 over the 4 devices of both processes, against numpy."""
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from helpers import ROOT, devices_env
+from helpers import ROOT, run_two_processes
 from test_quantiles import check
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -19,41 +15,11 @@ QS = (0.0, 0.1, 0.5, 0.9, 0.99, 1.0)
 K, DECAY = 6, 0.8  # as the worker's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("per_example_distributed")
-    env = devices_env(2)
-    env.pop("JAX_PLATFORMS", None)
-    env["PYTHONPATH"] = ROOT
     worker = os.path.join(HERE, "per_example_worker.py")
-    port = str(_free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, str(i), port, str(out)],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    texts = []
-    try:
-        for p in procs:
-            texts.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, text in zip(procs, texts):
-        assert p.returncode == 0, text[-4000:]
-    return [json.loads((out / f"result{i}.json").read_text()) for i in range(2)]
+    return run_two_processes(worker, out, timeout=240, PYTHONPATH=ROOT)
 
 
 def test_quantiles_per_device_and_merged_across_both(results):
